@@ -1,0 +1,1 @@
+"""Entry points: Hydra apps for inspecting clusters, planning and training."""

@@ -1,0 +1,29 @@
+"""What the engine can execute; the planner offers only these choices.
+
+One list read by both sides (issue 3: "offer a choice only once the engine
+supports it"). Pure data: no torch import.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Schedule(str, Enum):
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class Sharding(str, Enum):
+    """How much training state a stage shards across its GPUs (ZeRO stages 0-3)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    OPTIMIZER_GRADIENTS = "optimizer_gradients"
+    FULL = "full"
+
+
+SUPPORTED_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+SUPPORTED_SHARDING: tuple[Sharding, ...] = (Sharding.NONE, Sharding.OPTIMIZER)
+SUPPORTS_RECOMPUTATION = True
+SUPPORTS_INTERLEAVING = False

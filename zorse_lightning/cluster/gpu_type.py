@@ -1,0 +1,56 @@
+"""What a kind of GPU can do, as its datasheet says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zorse_lightning.errors import InventoryError
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """One kind of accelerator.
+
+    Figures are dense (no sparsity) datasheet peaks; the planner scales them by
+    an efficiency factor only when no measured or reference profile exists.
+    """
+
+    name: str
+    """Catalog key, also the key of the reference profiles (``a100x40``)."""
+    memory_gib: float
+    """Device memory as sold (a machine entry may set a smaller budget)."""
+    fp16_tflops: float
+    """Peak dense fp16 tensor throughput (for P40, which has no fast fp16: its fp32 rate)."""
+    bf16_tflops: float
+    """Peak dense bf16 throughput; 0 where bf16 is not supported."""
+    memory_bandwidth_gbps: float
+    """Device memory bandwidth, gigabits per second."""
+    peer_bandwidth_gbps: float
+    """Typical GPU-to-GPU bandwidth inside one machine (NVLink or PCIe)."""
+    aliases: tuple[str, ...] = field(default=())
+    """Other spellings: marketing names and ``torch.cuda.get_device_name`` strings."""
+    from_datasheet: bool = True
+    """False for entries guessed from a detected device the catalog lacks."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("memory_gib", "fp16_tflops", "memory_bandwidth_gbps", "peer_bandwidth_gbps"):
+            value = getattr(self, field_name)
+            if not value > 0:
+                raise InventoryError(
+                    f"GPU type {self.name!r}: {field_name}={value!r} must be positive; "
+                    f"give the datasheet figure in the units of the field name"
+                )
+        if self.bf16_tflops < 0:
+            raise InventoryError(
+                f"GPU type {self.name!r}: bf16_tflops={self.bf16_tflops!r} must be >= 0 "
+                f"(0 means bf16 is not supported)"
+            )
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_tflops > 0
+
+    @property
+    def peak_tflops(self) -> float:
+        """The best half-precision peak this GPU offers."""
+        return max(self.fp16_tflops, self.bf16_tflops)

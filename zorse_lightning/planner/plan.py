@@ -1,0 +1,198 @@
+"""The plan: who does what, frozen, validated and serialisable.
+
+Ranks are global ranks of the inventory (:attr:`ClusterInventory.gpus`). Layers
+index the model's block list; the first stage also holds the embedding and the
+last the head. Each stage processes every microbatch of the iteration once,
+spread over its ranks by ``microbatches_per_rank`` (uneven, by speed); microbatch
+``j`` goes to the rank whose contiguous share contains ``j`` (see
+:meth:`StagePlan.rank_of_microbatch`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTED_SHARDING, Schedule, Sharding
+from zorse_lightning.errors import PlanningError
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    ranks: tuple[int, ...]
+    gpu_types: tuple[str, ...]
+    machines: tuple[str, ...]
+    layers: tuple[int, int]
+    """Half-open range [start, end) of the block list."""
+    microbatches_per_rank: tuple[int, ...]
+    sharding: Sharding = Sharding.NONE
+    shard_fractions: tuple[float, ...] = ()
+    """Share of the stage's sharded state each rank holds (sums to 1); empty: even shares."""
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding", Sharding(self.sharding))
+        for name in ("ranks", "gpu_types", "machines", "microbatches_per_rank", "shard_fractions", "layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(self.microbatches_per_rank)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def microbatch_ranges(self) -> dict[int, range]:
+        """Microbatch indices each rank of the stage processes (contiguous shares in rank order)."""
+        ranges, start = {}, 0
+        for rank, count in zip(self.ranks, self.microbatches_per_rank):
+            ranges[rank] = range(start, start + count)
+            start += count
+        return ranges
+
+    def rank_of_microbatch(self, microbatch: int) -> int:
+        for rank, microbatches in self.microbatch_ranges().items():
+            if microbatch in microbatches:
+                return rank
+        raise IndexError(f"microbatch {microbatch} is outside the stage's {self.num_microbatches}")
+
+    def effective_shard_fractions(self) -> tuple[float, ...]:
+        return self.shard_fractions or tuple(1.0 / len(self.ranks) for _ in self.ranks)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_ms: float
+    samples_per_s: float
+    memory_gib: tuple[float, ...]
+    """Predicted peak per global rank."""
+    profile_source: dict[str, str]
+    """GPU type -> where its times came from (measured, reference, estimated...)."""
+
+
+@dataclass(frozen=True)
+class SolverRecord:
+    name: str = "none"
+    status: str = "not run"
+    objective_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    cluster: str
+    num_layers: int
+    world_size: int
+    global_batch_size: int
+    microbatch_size: int
+    schedule: Schedule
+    stages: tuple[StagePlan, ...]
+    predicted: Prediction | None = None
+    planner_seconds: float = 0.0
+    solver: SolverRecord = field(default_factory=SolverRecord)
+    notes: tuple[str, ...] = ()
+    """Why the plan looks as it does (for example: no cuts because the module has no block list)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        self.validate()
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Structural checks; memory against a cluster is checked by the planner's cost model."""
+        problems = list(self._problems())
+        if problems:
+            raise PlanningError("invalid plan: " + "; ".join(problems))
+
+    def _problems(self):
+        if self.schedule not in SUPPORTED_SCHEDULES:
+            yield f"schedule {self.schedule.value!r} is not supported (supported: {[s.value for s in SUPPORTED_SCHEDULES]})"
+        if self.microbatch_size < 1 or self.global_batch_size % self.microbatch_size:
+            yield (
+                f"global_batch_size={self.global_batch_size} is not a multiple of microbatch_size="
+                f"{self.microbatch_size}; choose a microbatch size that divides the global batch"
+            )
+        if not self.stages:
+            yield "a plan needs at least one stage"
+            return
+        seen = sorted(r for s in self.stages for r in s.ranks)
+        if seen != list(range(self.world_size)):
+            yield f"every rank 0..{self.world_size - 1} must be used exactly once, got ranks {seen}"
+        expected_start = 0
+        for index, stage in enumerate(self.stages):
+            where = f"stage {index}"
+            if not (len(stage.ranks) == len(stage.gpu_types) == len(stage.machines) == len(stage.microbatches_per_rank)):
+                yield f"{where}: ranks, gpu_types, machines and microbatches_per_rank differ in length"
+            if stage.layers[0] != expected_start or stage.layers[1] <= stage.layers[0]:
+                yield f"{where}: layers {list(stage.layers)} must start at {expected_start} and be non-empty"
+            expected_start = stage.layers[1]
+            if stage.num_microbatches * self.microbatch_size != self.global_batch_size:
+                yield (
+                    f"{where}: microbatches {list(stage.microbatches_per_rank)} x microbatch_size "
+                    f"{self.microbatch_size} != global_batch_size {self.global_batch_size}"
+                )
+            if any(c < 0 for c in stage.microbatches_per_rank):
+                yield f"{where}: negative microbatch count {list(stage.microbatches_per_rank)}"
+            if stage.sharding not in SUPPORTED_SHARDING:
+                yield f"{where}: sharding {stage.sharding.value!r} is not supported yet (supported: {[s.value for s in SUPPORTED_SHARDING]})"
+            if stage.shard_fractions and (
+                len(stage.shard_fractions) != len(stage.ranks) or abs(sum(stage.shard_fractions) - 1) > 1e-6
+            ):
+                yield f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1"
+        if expected_start != self.num_layers:
+            yield f"layers cover [0, {expected_start}) but the model has {self.num_layers}"
+
+    # -- views --------------------------------------------------------------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+    def stage_of_rank(self, rank: int) -> int:
+        for index, stage in enumerate(self.stages):
+            if rank in stage.ranks:
+                return index
+        raise IndexError(f"rank {rank} is in no stage of this plan (world size {self.world_size})")
+
+    # -- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format_version"] = PLAN_FORMAT_VERSION
+        return json.loads(json.dumps(data, default=lambda v: v.value))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        version = data.pop("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanningError(f"plan format_version={version} is not {PLAN_FORMAT_VERSION}; re-run the planner")
+        data["stages"] = tuple(StagePlan(**s) for s in data["stages"])
+        if data.get("predicted") is not None:
+            predicted = dict(data["predicted"])
+            predicted["memory_gib"] = tuple(predicted["memory_gib"])
+            data["predicted"] = Prediction(**predicted)
+        data["solver"] = SolverRecord(**data.get("solver", {}))
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
