@@ -61,6 +61,9 @@ _ENTRIES = (
 _VENDOR_WORDS = re.compile(r"\b(nvidia|tesla|geforce|quadro|amd|radeon pro)\b")
 
 
+_DEVICE_SUFFIX = re.compile(r"(sxm\d*|pcie|hbm\d*e?|\d+gb|mig.*)*")
+
+
 def normalise_gpu_name(name: str) -> str:
     """Fold a spelling to a comparison key: vendor words and punctuation dropped."""
     return re.sub(r"[^a-z0-9]", "", _VENDOR_WORDS.sub("", name.lower()))
@@ -93,9 +96,10 @@ class GpuCatalog:
         key = normalise_gpu_name(name)
         if key in self._by_key:
             return self._by_key[key]
-        # Device names carry suffixes the aliases omit ("A100-SXM4-40GB" vs "A100-SXM4-40GB MIG 1g").
+        # Device names carry suffixes the aliases omit ("H100 PCIe", "A100-SXM4-40GB MIG 1g.5gb"):
+        # accept the longest known prefix when what follows is only such a suffix.
         for known_key in sorted(self._by_key, key=len, reverse=True):
-            if len(known_key) >= 3 and key.startswith(known_key):
+            if key.startswith(known_key) and _DEVICE_SUFFIX.fullmatch(key[len(known_key) :]):
                 return self._by_key[known_key]
         return None
 

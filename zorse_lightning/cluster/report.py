@@ -10,6 +10,9 @@ from rich.table import Table
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 
+MAX_MACHINES_FOR_ALL_PAIRS = 12
+"""Beyond this many machines the pairwise link table would drown the output; only overrides are listed."""
+
 
 def _gpu_summary(types: list[str]) -> str:
     return ", ".join(f"{n}x {t}" for t, n in Counter(types).items())
@@ -19,7 +22,9 @@ def inventory_tables(inventory: ClusterInventory) -> list[Table]:
     title = f"cluster {inventory.name}" + (" (CPU ranks emulating GPU types)" if inventory.emulated else "")
     machines = Table(title=title)
     for column in ("machine", "datacenter", "ranks", "GPUs", "memory GiB", "peak TFLOPS", "inside Gb/s"):
-        machines.add_column(column, justify="left" if column in ("machine", "datacenter", "GPUs") else "right")
+        machines.add_column(
+            column, justify="left" if column in ("machine", "datacenter", "GPUs") else "right", no_wrap=True
+        )
     rank = 0
     for machine in inventory.machines:
         gpus = machine.gpus
@@ -44,7 +49,7 @@ def inventory_tables(inventory: ClusterInventory) -> list[Table]:
         "",
     )
     tables = [machines]
-    if len(inventory.machines) > 1:
+    if 1 < len(inventory.machines) <= MAX_MACHINES_FOR_ALL_PAIRS:
         links = Table(title="links between machines")
         for column in ("machine", "machine", "kind", "Gb/s", "latency us"):
             links.add_column(column)
@@ -61,10 +66,19 @@ def inventory_tables(inventory: ClusterInventory) -> list[Table]:
                 f"{inventory.latency_us(ra, rb):g}",
             )
         tables.append(links)
+    elif len(inventory.machines) > MAX_MACHINES_FOR_ALL_PAIRS:
+        links = Table(title=f"links between machines: {inventory.inter_machine_bandwidth_gbps:g} Gb/s unless listed")
+        for column in ("between", "and", "Gb/s"):
+            links.add_column(column)
+        for link in inventory.machine_links:
+            links.add_row(link.machine_a, link.machine_b, f"{link.bandwidth_gbps:g}")
+        for link in inventory.datacenter_links:
+            links.add_row(f"datacenter {link.datacenter_a}", f"datacenter {link.datacenter_b}", f"{link.bandwidth_gbps:g}")
+        tables.append(links)
     return tables
 
 
 def print_inventory(inventory: ClusterInventory, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(width=120)
     for table in inventory_tables(inventory):
         console.print(table)
