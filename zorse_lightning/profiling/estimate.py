@@ -38,10 +38,10 @@ BYTES_PER_ELEMENT = {"float16": 2, "bfloat16": 2, "float32": 4}
 HEAD_DIM = 128
 BACKWARD_OVER_FORWARD = 2.0
 """A backward pass computes gradients of inputs and of weights: two matmuls per forward one."""
-DEFAULT_EFFICIENCY = {"float16": 0.38, "bfloat16": 0.38, "float32": 0.09}
-"""Achieved / half-precision peak, rounded medians over the shipped reference data at
-sequence length 512 (every model of the alias table and every GPU type with data;
-``tests/test_profiling.py`` recomputes them). bfloat16 runs at the float16 rate."""
+DEFAULT_EFFICIENCY = {"float16": 0.39, "bfloat16": 0.39, "float32": 0.10}
+"""Achieved / half-precision peak: medians over every (model of the alias table, GPU type)
+pair of the shipped reference data at sequence length 512 (0.394 and 0.098 when written;
+per GPU they range from 0.06 to 0.9). bfloat16 runs at the float16 rate."""
 TOKEN_ID_BYTES = 8
 LOGIT_BYTES = 4
 
@@ -138,7 +138,9 @@ class TransformerShape:
         return embedding, layers, head
 
 
-def estimated_block_times(forward_flops_per_sample: float, gpu_type: GpuType, dtype: str, efficiency: float) -> BlockTimes:
+def estimated_block_times(
+    forward_flops_per_sample: float, gpu_type: GpuType, dtype: str, efficiency: float
+) -> BlockTimes:
     """Lines through the origin: FLOPs / (peak x efficiency), backward twice the forward."""
     if not 0 < efficiency <= 1:
         raise PlanningError(f"efficiency={efficiency!r} must be in (0, 1]: the achieved fraction of the GPU's peak")

@@ -119,7 +119,9 @@ def _total_slope(times: BlockTimes) -> float:
     return times.forward.slope_ms + times.backward.slope_ms
 
 
-def dtype_ratio(data: ReferenceData, model: ReferenceModel, gpu: str, seq_len: int, from_dtype: str, to_dtype: str) -> float:
+def dtype_ratio(
+    data: ReferenceData, model: ReferenceModel, gpu: str, seq_len: int, from_dtype: str, to_dtype: str
+) -> float:
     """Time at ``to_dtype`` over time at ``from_dtype`` (forward+backward slopes), median of witnesses.
 
     Witnesses, first non-empty set wins: the same GPU on the other models of the
@@ -174,7 +176,9 @@ def reference_layer_times(
     return None
 
 
-def calibrated_efficiency(model: str, seq_len: int = 512, dtype: str = "float16", catalog: GpuCatalog = DEFAULT_CATALOG) -> float:
+def calibrated_efficiency(
+    model: str, seq_len: int = 512, dtype: str = "float16", catalog: GpuCatalog = DEFAULT_CATALOG
+) -> float:
     """Median achieved / peak over the GPUs with exact data for this model (else :data:`DEFAULT_EFFICIENCY`).
 
     Achieved = 3 x layer forward FLOPs per sample / (forward + backward slope).
@@ -223,7 +227,8 @@ def reference_profile(
         if found is None:
             if efficiency is None:
                 efficiency = calibrated_efficiency(model, seq_len, dtype, catalog)
-            found = estimated_block_times(shape.layer_forward_flops_per_sample, gpu, dtype, efficiency), ProfileSource.ESTIMATED
+            estimate = estimated_block_times(shape.layer_forward_flops_per_sample, gpu, dtype, efficiency)
+            found = estimate, ProfileSource.ESTIMATED
         devices[gpu.name] = device_times_from_layer(shape, gpu.name, found[1], found[0])
     return ModelProfile(
         model=spec.name,
@@ -237,7 +242,9 @@ def reference_profile(
     )
 
 
-def sources_by_kind(profile: ModelProfile, gpu_types: Iterable[str] | None = None) -> dict[ProfileSource, tuple[str, ...]]:
+def sources_by_kind(
+    profile: ModelProfile, gpu_types: Iterable[str] | None = None
+) -> dict[ProfileSource, tuple[str, ...]]:
     """GPU types grouped by where their times came from (restricted to ``gpu_types`` if given)."""
     wanted = set(profile.devices if gpu_types is None else gpu_types)
     grouped: dict[ProfileSource, list[str]] = {}

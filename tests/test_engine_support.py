@@ -1,0 +1,42 @@
+"""Plans built by hand for the engine and strategy tests (no tests here)."""
+
+from __future__ import annotations
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.planner.plan import Plan, StagePlan
+
+
+def hand_plan(
+    stages: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]],
+    microbatch_size: int = 1,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    sharding: Sharding = Sharding.NONE,
+    shard_fractions: dict[int, tuple[float, ...]] | None = None,
+    recompute: bool = False,
+) -> Plan:
+    """A plan from (ranks, microbatches per rank, layer range) per stage."""
+    built = []
+    for index, (ranks, counts, layers) in enumerate(stages):
+        built.append(
+            StagePlan(
+                ranks=ranks,
+                gpu_types=("cpu",) * len(ranks),
+                machines=("localhost",) * len(ranks),
+                layers=layers,
+                microbatches_per_rank=counts,
+                sharding=sharding,
+                shard_fractions=(shard_fractions or {}).get(index, ()),
+                recompute=recompute,
+            )
+        )
+    num_microbatches = sum(stages[0][1])
+    return Plan(
+        model="test",
+        cluster="test",
+        num_layers=stages[-1][2][1],
+        world_size=sum(len(s[0]) for s in stages),
+        global_batch_size=num_microbatches * microbatch_size,
+        microbatch_size=microbatch_size,
+        schedule=schedule,
+        stages=tuple(built),
+    )

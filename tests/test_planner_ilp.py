@@ -1,0 +1,112 @@
+"""The integer program against an exhaustive search on small random instances."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from zorse_lightning.planner.ilp import AssignmentProblem, GroupCosts, StageCosts, solve_assignment
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
+    """The documented objective, or None when some GPU's memory overflows."""
+    excess = -math.inf
+    latency = 0.0
+    sync = 0.0
+    for stage, k, stage_shares in zip(problem.stages, counts, shares):
+        free = 0.0
+        for group, n in zip(stage.groups, stage_shares):
+            busiest = math.ceil(n / group.count)
+            flight = busiest if stage.max_in_flight is None else min(busiest, stage.max_in_flight)
+            used = group.fixed_bytes[k - 1] + group.activation_bytes[k - 1] * flight
+            if used > group.capacity_bytes + 1e-9:
+                return None
+            free += group.count * (group.capacity_bytes - used)
+            excess = max(excess, busiest * group.microbatch_ms[k - 1] - stage.latency_ms[k - 1])
+        if free + 1e-9 < stage.sharded_bytes[k - 1]:
+            return None
+        latency += stage.latency_ms[k - 1]
+        sync = max(sync, stage.sync_ms[k - 1])
+    return problem.constant_ms + latency + excess + sync
+
+
+def brute_force(problem: AssignmentProblem) -> float | None:
+    best = None
+    count_options = [problem.layer_counts] if problem.layer_counts else _compositions(problem.num_layers, len(problem.stages))
+    for counts in count_options:
+        per_stage = [
+            [c for c in itertools.product(range(problem.num_microbatches + 1), repeat=len(s.groups)) if sum(c) == problem.num_microbatches]
+            for s in problem.stages
+        ]
+        for shares in itertools.product(*per_stage):
+            value = _objective(problem, counts, shares)
+            if value is not None and (best is None or value < best):
+                best = value
+    return best
+
+
+def random_problem(rng: random.Random, pin: bool = False) -> AssignmentProblem:
+    num_layers = rng.randint(3, 6)
+    num_stages = rng.randint(1, 3)
+    num_m = rng.randint(2, 6)
+    stages = []
+    for s in range(num_stages):
+        groups = []
+        for _ in range(rng.randint(1, 2)):
+            per_layer = rng.uniform(0.5, 3.0)
+            extra = rng.uniform(0.0, 1.0)
+            per_layer_bytes = rng.uniform(1.0, 3.0)
+            groups.append(
+                GroupCosts(
+                    count=rng.randint(1, 2),
+                    microbatch_ms=tuple(per_layer * k + extra for k in range(1, num_layers + 1)),
+                    fixed_bytes=tuple(per_layer_bytes * k for k in range(1, num_layers + 1)),
+                    activation_bytes=tuple(0.5 * k for k in range(1, num_layers + 1)),
+                    capacity_bytes=rng.uniform(6.0, 14.0),
+                )
+            )
+        latency = tuple(max(g.microbatch_ms[k] for g in groups) for k in range(num_layers))
+        sharded = rng.random() < 0.5
+        stages.append(
+            StageCosts(
+                groups=tuple(groups),
+                latency_ms=latency,
+                sync_ms=tuple(rng.uniform(0.0, 0.3) * k for k in range(1, num_layers + 1)),
+                sharded_bytes=tuple((2.0 * k if sharded else 0.0) for k in range(1, num_layers + 1)),
+                max_in_flight=rng.choice([None, num_stages - s]),
+            )
+        )
+    counts = None
+    if pin:
+        counts = next(_compositions(num_layers, num_stages))
+    return AssignmentProblem(num_layers, num_m, tuple(stages), constant_ms=rng.uniform(0, 2), layer_counts=counts)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ilp_matches_brute_force(seed: int) -> None:
+    problem = random_problem(random.Random(seed), pin=seed % 5 == 4)
+    expected = brute_force(problem)
+    solved = solve_assignment(problem, time_limit_s=20)
+    if expected is None:
+        assert solved is None
+        return
+    assert solved is not None
+    assert solved.objective_ms == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    # the solution itself achieves the objective the solver reports
+    assert _objective(problem, solved.layer_counts, solved.group_microbatches) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert solved.record.status == "optimal"
+
+
+def test_infeasible_instances_are_reported_as_none() -> None:
+    group = GroupCosts(1, (1.0, 2.0), (10.0, 20.0), (1.0, 1.0), capacity_bytes=5.0)
+    stage = StageCosts((group,), (1.0, 2.0), (0.0, 0.0), (0.0, 0.0), None)
+    assert solve_assignment(AssignmentProblem(2, 2, (stage,)), time_limit_s=5) is None

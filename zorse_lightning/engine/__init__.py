@@ -1,0 +1,1 @@
+"""Layer 4: executes a Plan with torch.distributed. Imports no Lightning."""

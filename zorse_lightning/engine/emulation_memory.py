@@ -1,0 +1,157 @@
+"""Counting the bytes an emulated rank really holds, and enforcing its memory budget.
+
+A CPU rank that emulates a GPU must run out of memory where that GPU would, or
+a plan that does not fit would pass every test here. The count comes from the
+tensors themselves, never from the planner's cost model: parameters, their
+gradients and the optimizer's state are read from the objects that hold them,
+and saved activations are the tensors autograd keeps for backward while an
+instrumented module runs, seen through ``torch.autograd.graph.saved_tensors_hooks``.
+Bytes are counted per storage, so tied weights, views and a saved tensor that
+is also a parameter count once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zorse_lightning.units import bytes_to_gib
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """An emulated rank holds more bytes than its GPU type's budget (as ``torch.OutOfMemoryError`` would)."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes held at one instant, each storage counted once, in the order of the fields."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    """Saved for backward by instrumented modules, and not already counted above."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.activation_bytes
+
+
+def _storage_key_and_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The storage a tensor keeps alive; None for tensors that hold no memory here (meta, sparse)."""
+    if tensor.is_meta or tensor.layout is not torch.strided:
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _count_new(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages among ``tensors`` not in ``seen`` (which it extends)."""
+    total = 0
+    for tensor in tensors:
+        entry = _storage_key_and_bytes(tensor)
+        if entry is not None and entry[0] not in seen:
+            seen.add(entry[0])
+            total += entry[1]
+    return total
+
+
+class _SavedTensor:
+    """What autograd stores instead of a saved tensor: the tensor, plus a reference count in the meter.
+
+    Autograd drops it when the graph node is freed (after backward, or when the
+    graph is discarded), so its ``__del__`` is the moment the bytes stop being held.
+    """
+
+    __slots__ = ("tensor", "_meter", "_key")
+
+    def __init__(self, tensor: torch.Tensor, meter: MemoryMeter) -> None:
+        self.tensor = tensor
+        self._meter = meter
+        entry = _storage_key_and_bytes(tensor)
+        self._key = None if entry is None else entry[0]
+        if entry is not None:
+            meter._hold(*entry)
+
+    def __del__(self) -> None:
+        if self._key is not None:
+            self._meter._release(self._key)
+
+
+class MemoryMeter:
+    """Bytes held by one rank's training state and saved activations; keeps the peak."""
+
+    def __init__(self) -> None:
+        self._modules: tuple[nn.Module, ...] = ()
+        self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        self._saved: dict[int, list[int]] = {}
+        """Storage key -> [bytes, number of saved tensors on it]."""
+        self.peak_bytes = 0
+        self.peak_breakdown: MemoryBreakdown | None = None
+
+    def track(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        self._modules = tuple(modules)
+        self._optimizers = tuple(optimizers)
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context in which every tensor autograd saves is counted until autograd drops it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _SavedTensor:
+        return _SavedTensor(tensor, self)
+
+    def _hold(self, key: int, nbytes: int) -> None:
+        entry = self._saved.setdefault(key, [nbytes, 0])
+        entry[1] += 1
+
+    def _release(self, key: int) -> None:
+        entry = self._saved[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._saved[key]
+
+    def measure(self) -> MemoryBreakdown:
+        """The bytes held now; also raises the recorded peak."""
+        params: dict[int, nn.Parameter] = {}
+        for module in self._modules:
+            params.update((id(p), p) for p in module.parameters())
+        seen: set[int] = set()
+        parameter_bytes = _count_new(params.values(), seen)
+        gradient_bytes = _count_new((p.grad for p in params.values() if p.grad is not None), seen)
+        optimizer_state_bytes = _count_new(
+            (
+                value
+                for optimizer in self._optimizers
+                for state in optimizer.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ),
+            seen,
+        )
+        activation_bytes = sum(nbytes for key, (nbytes, _) in self._saved.items() if key not in seen)
+        breakdown = MemoryBreakdown(parameter_bytes, gradient_bytes, optimizer_state_bytes, activation_bytes)
+        if breakdown.total_bytes > self.peak_bytes:
+            self.peak_bytes = breakdown.total_bytes
+            self.peak_breakdown = breakdown
+        return breakdown
+
+
+def out_of_memory_message(gpu_type: str, budget_bytes: int, held: MemoryBreakdown) -> str:
+    """Say which budget was exceeded, by what, and what to change."""
+    return (
+        f"emulated {gpu_type} ran out of memory: it holds {held.total_bytes} bytes "
+        f"({bytes_to_gib(held.total_bytes):.4f} GiB: parameters {held.parameter_bytes}, gradients "
+        f"{held.gradient_bytes}, optimizer state {held.optimizer_state_bytes}, saved activations "
+        f"{held.activation_bytes}) but its budget is {budget_bytes} bytes ({bytes_to_gib(budget_bytes):.4f} GiB). "
+        f"Use a smaller microbatch, shard the optimizer state, enable recomputation, give this rank fewer "
+        f"layers in the plan, or raise the GPU's `memory_gib` in the cluster config"
+    )
+
+
+def _unpack(saved: _SavedTensor) -> torch.Tensor:
+    return saved.tensor

@@ -1,0 +1,182 @@
+"""Timing pieces of the emulation: calibration, deadlines, and autograd markers for backward.
+
+Why deadlines (see DESIGN.md, "Testing without GPUs"): sleeping ``(f - 1) x`` the
+measured time of each call multiplies whatever contention inflated that
+measurement; sleeping until ``start + f x c`` with a cost ``c`` calibrated once
+makes every call take exactly ``f x c`` as long as the real compute fits inside,
+which a slowdown ``f >= 2`` guarantees here. A forward is timed by module hooks;
+a backward by two identity autograd functions: one on the module's outputs
+(its backward runs when the module's backward starts) and one on its inputs
+(its backward runs when the module's backward ends).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+CALIBRATION_REPEATS = 3
+"""Timed runs per calibration after one warm-up; the minimum is kept (least disturbed by other ranks)."""
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """Calibrated real CPU seconds of one module call, per sample (``n`` = the first input's dim 0)."""
+
+    forward_s_per_sample: float
+    backward_s_per_sample: float
+
+
+@dataclass
+class BackwardWindow:
+    """One call's backward: its emulated duration, when it started (set by the output marker), what ends it."""
+
+    emulated_s: float
+    on_end: Callable[[BackwardWindow], None]
+    """Called when the module's backward is done (the emulator sleeps there)."""
+    has_end_marker: bool = False
+    """False when no input requires grad: then ``on_end`` runs at the start, as the best available point."""
+    start: float | None = None
+
+
+def flatten_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples, lists and dicts, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in flatten_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for value in obj.values() for t in flatten_tensors(value)]
+    return []
+
+
+def replace_tensors(obj: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with each tensor ``t`` replaced by ``replace(t)``, containers rebuilt (named tuples too)."""
+    if isinstance(obj, torch.Tensor):
+        return replace(obj)
+    if isinstance(obj, tuple):
+        items = [replace_tensors(item, replace) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [replace_tensors(item, replace) for item in obj]
+    if isinstance(obj, dict):
+        return type(obj)((key, replace_tensors(value, replace)) for key, value in obj.items())
+    return obj
+
+
+def wrap_for_backward(obj: Any, marker: type[torch.autograd.Function], window: BackwardWindow) -> tuple[Any, int]:
+    """Route every tensor of ``obj`` that requires grad through one ``marker`` node; returns (obj, count)."""
+    differentiable = [t for t in flatten_tensors(obj) if t.requires_grad]
+    if not differentiable:
+        return obj, 0
+    marked: Iterator[torch.Tensor] = iter(marker.apply(window, *differentiable))
+    return replace_tensors(obj, lambda t: next(marked) if t.requires_grad else t), len(differentiable)
+
+
+def sleep_until(deadline: float) -> float:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline``; returns the time left on entry (<= 0: overrun)."""
+    remaining = deadline - time.perf_counter()
+    left = remaining
+    while left > 0:
+        time.sleep(left)
+        left = deadline - time.perf_counter()
+    return remaining
+
+
+class BackwardStartMarker(torch.autograd.Function):
+    """Identity on a module's outputs; its backward marks the start of the module's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, window: BackwardWindow, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.window = window
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.window.start = time.perf_counter()
+        if not ctx.window.has_end_marker:
+            ctx.window.on_end(ctx.window)
+        return (None, *grads)
+
+
+class BackwardEndMarker(torch.autograd.Function):
+    """Identity on a module's inputs; its backward marks the end of the module's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, window: BackwardWindow, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.window = window
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.window.on_end(ctx.window)
+        return (None, *grads)
+
+
+def batch_size_and_signature(args: tuple, kwargs: dict) -> tuple[int, str]:
+    """Samples in a call (dim 0 of the first tensor input) and a key for its per-sample shape.
+
+    Costs are kept per sample so that uneven microbatches of the same shape
+    share one calibration, and the key is a string so ranks can exchange it.
+    """
+    tensors = flatten_tensors((args, kwargs))
+    if not tensors:
+        return 1, "()"
+    first = tensors[0]
+    samples = int(first.shape[0]) if first.dim() > 0 else 1
+    signature = ";".join(f"{tuple(t.shape[1:])}:{t.dtype}" for t in tensors)
+    return max(samples, 1), signature
+
+
+def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int) -> CallCost:
+    """Time the module's forward and backward on this input, without side effects on training.
+
+    Runs on detached copies of the inputs, takes gradients with
+    ``torch.autograd.grad`` (nothing accumulates into ``.grad``), restores the
+    RNG state (dropout masks of the real call are unchanged) and the buffers
+    (batch-norm statistics), and works even when called under ``no_grad`` or
+    ``inference_mode`` (Lightning's sanity check runs validation first).
+    """
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({t.device.index for t in flatten_tensors((args, kwargs)) if t.device.type == "cuda"})
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        inputs = replace_tensors((args, kwargs), _fresh_input)
+        leaves = [t for t in flatten_tensors(inputs) if t.requires_grad]
+        leaves += [p for p in module.parameters() if p.requires_grad]
+        forward_s, backward_s = [], []
+        for _ in range(CALIBRATION_REPEATS + 1):
+            start = time.perf_counter()
+            outputs = [t for t in flatten_tensors(module.forward(*inputs[0], **inputs[1])) if t.requires_grad]
+            _synchronize(outputs)
+            middle = time.perf_counter()
+            if outputs and leaves:
+                torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
+            _synchronize(outputs)
+            forward_s.append(middle - start)
+            backward_s.append(time.perf_counter() - middle)
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    return CallCost(min(forward_s[1:]) / samples, min(backward_s[1:]) / samples)
+
+
+def _fresh_input(tensor: torch.Tensor) -> torch.Tensor:
+    """A normal (non-inference) copy; float inputs require grad, as activations do in training.
+
+    Always, not only when the real input does: the first call is often
+    Lightning's sanity check under ``no_grad``, and the cost must be the training one.
+    """
+    copy = tensor.detach().clone()
+    if copy.is_floating_point():
+        copy.requires_grad_(True)
+    return copy
+
+
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    if tensors and tensors[0].device.type == "cuda":
+        torch.cuda.synchronize(tensors[0].device)

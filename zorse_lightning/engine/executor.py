@@ -1,0 +1,210 @@
+"""Running one step of a plan on this rank: the schedule's actions, routing, reductions.
+
+The caller gives the rank's batch (the samples of its microbatches, in index
+order) and ``step_fn(microbatch, index) -> loss``: the user's own step. On a
+non-last stage the step ends inside the block chain (:class:`StageOutput`); on
+the last it returns the loss. Activations go to the rank of the next stage that
+owns the microbatch, their gradients come back the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.engine import gradients
+from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
+from zorse_lightning.engine.cutting import StageCut, StageOutput
+from zorse_lightning.engine.groups import StageGroups
+from zorse_lightning.engine.microbatch import microbatch_slice
+from zorse_lightning.engine.p2p import Transport
+from zorse_lightning.engine.probe import CutAnalysis, probe_cut
+from zorse_lightning.engine.schedule import ActionKind, build_schedule
+from zorse_lightning.engine.sharding import OptimizerShards, restrict_optimizer
+
+StepFn = Callable[[Any, int], Any]
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss a user step returned (a tensor, or a dict with ``"loss"``, as Lightning accepts)."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise RuntimeError(
+            f"the step returned {type(output).__name__}; on the last stage it must return the loss tensor "
+            f"(or a dict with 'loss'), which the pipeline backpropagates"
+        )
+    return loss
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
+    """Give every rank ``src``'s weights (random init differs per process; pretrained weights too)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=src)
+
+
+class PipelineEngine:
+    """One rank's executor of a plan: cut the module, then run steps."""
+
+    def __init__(self, module: nn.Module, groups: StageGroups, device: torch.device, block_path: str | None = None):
+        self.module = module
+        self.groups = groups
+        self.plan = groups.plan
+        self.device = device
+        self.block_path = block_path
+        self.schedule = build_schedule(self.plan)
+        self.forward_schedule = build_schedule(self.plan, forward_only=True)
+        self.transport = Transport(device)
+        self.cut: StageCut | None = None
+        self.shards: OptimizerShards | None = None
+        self._holders: dict[int, frozenset[int]] = {}
+
+    # -- preparation --------------------------------------------------------------------
+
+    @property
+    def is_pipelined(self) -> bool:
+        return len(self.plan.stages) > 1
+
+    @property
+    def prepared(self) -> bool:
+        return bool(self._holders)
+
+    def _my_share(self) -> range:
+        return self.groups.stage.microbatch_ranges()[self.groups.rank]
+
+    def prepare(self, batch: Any, step_fn: StepFn) -> None:
+        """Probe the module on this rank's first microbatch, then cut it (collective, once)."""
+        if self.is_pipelined:
+            blocks = find_block_list(self.module, self.block_path)
+            analysis = self._agreed_analysis(blocks, batch, step_fn)
+            self.cut = StageCut(self.module, blocks, analysis, self.plan, self.groups.stage_index)
+            self.cut.apply()
+            self._holders = dict(self.cut.holders)
+        else:
+            everyone = frozenset({0})
+            self._holders = {id(p): everyone for p in self.module.parameters()}
+        if self.groups.stage.sharding is not Sharding.NONE:
+            self.shards = OptimizerShards(self.local_parameters(), self.groups)
+
+    def _agreed_analysis(self, blocks: BlockList, batch: Any, step_fn: StepFn) -> CutAnalysis:
+        mine = None
+        share = self._my_share()
+        if len(share):
+            micro = microbatch_slice(batch, 0, self.plan.microbatch_size)
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                mine = probe_cut(self.module, blocks, lambda: loss_of(step_fn(micro, share.start)))
+        analyses: list[CutAnalysis | None] = [None] * self.plan.world_size
+        dist.all_gather_object(analyses, mine)
+        agreed = next(a for a in analyses if a is not None)
+        if agreed.problem:
+            raise CutError(
+                f"the plan cuts {type(self.module).__name__} into {len(self.plan.stages)} stages, but it cannot be "
+                f"cut: {agreed.problem}. Use a plan without pipeline stages (data parallel), or name the block list"
+            )
+        return agreed
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """Parameters this rank holds (each once), in module order."""
+        return [p for p in self.module.parameters() if self.groups.stage_index in self._holders.get(id(p), ())]
+
+    def _local_with_holders(self) -> list[tuple[nn.Parameter, frozenset[int]]]:
+        return [(p, self._holders[id(p)]) for p in self.local_parameters()]
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep in ``optimizer`` only what this rank steps: its stage's weights, or its shard of them."""
+        restrict_optimizer(optimizer, self.shards.mine if self.shards else self.local_parameters())
+
+    # -- one step -----------------------------------------------------------------------
+
+    def run(self, batch: Any, step_fn: StepFn, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every scheduled microbatch; returns the global mean loss on every rank.
+
+        Gradients accumulate into ``.grad`` (local, not yet reduced: call
+        :meth:`reduce_gradients` before the optimizer step). ``loss_scale``
+        multiplies the backward (for example ``1 / accumulate_grad_batches``).
+        """
+        return self._execute(batch, step_fn, loss_scale, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any, step_fn: StepFn) -> dict[int, Any]:
+        """Forward only; returns the step outputs of this rank's microbatches on the last stage."""
+        outputs: dict[int, Any] = {}
+        self._execute(batch, step_fn, 0.0, train=False, outputs=outputs)
+        return outputs
+
+    def _execute(self, batch, step_fn, loss_scale, train, outputs=None) -> torch.Tensor:
+        if not self.prepared:
+            raise RuntimeError("call PipelineEngine.prepare(batch, step_fn) once before the first step")
+        share = self._my_share()
+        weight = self.plan.microbatch_size / self.plan.global_batch_size
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = torch.zeros((), device=self.device)
+        schedule = self.schedule if train else self.forward_schedule
+        for action in schedule.for_rank(self.groups.rank):
+            j = action.microbatch
+            if action.kind is ActionKind.FORWARD:
+                micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
+                received, output = self._forward(micro, j, step_fn, train)
+                if self.groups.is_last_stage:
+                    if outputs is not None:
+                        outputs[j] = output
+                    if train or isinstance(output, (torch.Tensor, dict)):
+                        loss = loss_of(output)
+                        loss_sum += loss.detach().float() * weight
+                        output = loss * (weight * loss_scale)
+                if train:
+                    saved[j] = (received, output)
+            else:
+                self._backward(j, *saved.pop(j))
+        self.transport.wait_sends()
+        dist.all_reduce(loss_sum)
+        return loss_sum
+
+    def _forward(self, micro: Any, j: int, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
+        received = None
+        if not self.groups.is_first_stage:
+            received = self.transport.recv_activation(self.plan.stages[self.groups.stage_index - 1].rank_of_microbatch(j))
+            received.requires_grad_(train)
+            self.cut.incoming = received
+        try:
+            output = step_fn(micro, j)
+        except StageOutput as end:
+            self.transport.send_activation(end.output, self.plan.stages[self.groups.stage_index + 1].rank_of_microbatch(j))
+            return received, end.output
+        finally:
+            if self.cut is not None:
+                self.cut.incoming = None
+        if not self.groups.is_last_stage:
+            raise RuntimeError(
+                f"the step of microbatch {j} returned on stage {self.groups.stage_index} without reaching the end of "
+                f"its blocks {self.groups.stage.layers}; does the step run the block list?"
+            )
+        return received, output
+
+    def _backward(self, j: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
+        if self.groups.is_last_stage:
+            torch.autograd.backward(output)
+        else:
+            src = self.plan.stages[self.groups.stage_index + 1].rank_of_microbatch(j)
+            torch.autograd.backward(output, self.transport.recv_gradient(output, src))
+        if received is not None:
+            dst = self.plan.stages[self.groups.stage_index - 1].rank_of_microbatch(j)
+            self.transport.send_gradient(received.grad, dst)
+
+    # -- between backward and optimizer step --------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        gradients.reduce_gradients(self._local_with_holders(), self.groups)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm)
+
+    def after_optimizer_step(self) -> None:
+        if self.shards is not None:
+            self.shards.broadcast_updates()

@@ -1,0 +1,96 @@
+"""Process groups of a plan: each stage's group, the groups of weights shared by stages.
+
+``torch.distributed.new_group`` must be called by every rank, in the same order,
+for every group, including groups the rank is not in; :func:`build_groups` does
+so in an order derived from the plan alone. Every group gets the timeout, so a
+dead peer surfaces as an error on the survivors instead of a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zorse_lightning.planner.plan import Plan
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """This rank's view of the plan's communicators."""
+
+    plan: Plan
+    rank: int
+    stage_index: int
+    stage_group: dist.ProcessGroup
+    """All ranks of this rank's stage: data-parallel reductions and optimizer shards."""
+    shared_groups: dict[frozenset[int], dist.ProcessGroup]
+    """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all)."""
+
+    @property
+    def stage(self):
+        return self.plan.stages[self.stage_index]
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        return self.stage.ranks
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == len(self.plan.stages) - 1
+
+    @property
+    def previous_stage_ranks(self) -> tuple[int, ...]:
+        return () if self.is_first_stage else self.plan.stages[self.stage_index - 1].ranks
+
+    @property
+    def next_stage_ranks(self) -> tuple[int, ...]:
+        return () if self.is_last_stage else self.plan.stages[self.stage_index + 1].ranks
+
+    def group_for_stages(self, stages: frozenset[int]) -> dist.ProcessGroup:
+        """The group of all ranks of ``stages`` (which must include this rank's stage)."""
+        if stages == frozenset({self.stage_index}):
+            return self.stage_group
+        return self.shared_groups[stages]
+
+
+def shared_stage_sets(plan: Plan) -> tuple[frozenset[int], ...]:
+    """Sets of several stages that may hold one weight: first with last (tied embeddings), all."""
+    last = len(plan.stages) - 1
+    sets = []
+    if last > 0:
+        sets.append(frozenset({0, last}))
+        if last > 1:
+            sets.append(frozenset(range(last + 1)))
+    return tuple(sets)
+
+
+def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) -> StageGroups:
+    """Create the plan's groups on every rank (a collective call: all ranks must call it)."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_groups needs an initialised default process group (torch.distributed)")
+    if dist.get_world_size() != plan.world_size:
+        raise RuntimeError(
+            f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
+            f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
+        )
+    stage_index = plan.stage_of_rank(rank)
+    stage_groups = [dist.new_group(list(stage.ranks), timeout=timeout) for stage in plan.stages]
+    shared = {}
+    for stages in shared_stage_sets(plan):
+        ranks = sorted(r for s in stages for r in plan.stages[s].ranks)
+        shared[stages] = dist.new_group(ranks, timeout=timeout)
+    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared)

@@ -1,0 +1,31 @@
+"""Slicing a rank's batch into its microbatches, whatever the batch's structure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading size of the batch's tensors (they must agree)."""
+    sizes = {leaf.shape[0] for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot split a batch whose tensors have leading sizes {sorted(sizes)}; every tensor of a batch "
+            f"must have the samples along its first dimension"
+        )
+    return sizes.pop()
+
+
+def microbatch_slice(batch: Any, position: int, microbatch_size: int) -> Any:
+    """The ``position``-th microbatch of ``batch`` (tensors sliced along dim 0, other leaves kept)."""
+    start = position * microbatch_size
+
+    def take(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf[start : start + microbatch_size]
+        return leaf
+
+    return tree_map(take, batch)

@@ -1,0 +1,213 @@
+"""Pipeline schedules as data: a list of actions per rank, validated and printable.
+
+A stage is a group of ranks and each rank of a stage processes its own share of
+the iteration's microbatches (``StagePlan.microbatch_ranges``). Every rank walks
+its microbatches in one *global* order (:func:`microbatch_order`), so the
+messages between any two ranks are sent and received in the same order (NCCL
+matches point-to-point messages by order, not by tag). Whether a program can
+deadlock is then only a question of waiting: :func:`simulate` runs all programs
+step by step with unbounded send buffers (sends are asynchronous in the
+executor) and raises if some rank can never proceed.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.plan import Plan
+
+
+class ActionKind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work: forward or backward of one microbatch on one stage."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``"1F3"`` is stage 1, forward, microbatch 3."""
+        for kind in ActionKind:
+            stage, sep, microbatch = text.partition(kind.value)
+            if sep and stage.isdigit() and microbatch.isdigit():
+                return cls(int(stage), kind, int(microbatch))
+        raise ValueError(f"cannot parse action {text!r}; expected <stage><F|B><microbatch>, e.g. '1F3'")
+
+
+@dataclass(frozen=True)
+class Message:
+    """A point-to-point transfer the executor performs around an action."""
+
+    src: int
+    dst: int
+    kind: ActionKind
+    """FORWARD: an activation; BACKWARD: the gradient of one."""
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Programs of every rank; ``programs[rank]`` is that rank's ordered actions."""
+
+    schedule: Schedule
+    programs: tuple[tuple[Action, ...], ...]
+    grid: tuple[tuple[Action | None, ...], ...]
+    """``grid[rank][step]``: the action a rank runs at each unit time step (None: idle)."""
+
+    def for_rank(self, rank: int) -> tuple[Action, ...]:
+        return self.programs[rank]
+
+    def format(self) -> str:
+        """Rank-by-step grid, one row per rank, ``.`` where a rank waits."""
+        width = max((len(str(a)) for row in self.grid for a in row if a is not None), default=3)
+        lines = []
+        for rank, row in enumerate(self.grid):
+            cells = " ".join(str(a).rjust(width) if a is not None else ".".rjust(width) for a in row)
+            lines.append(f"rank {rank}: {cells}")
+        return "\n".join(lines)
+
+    @property
+    def num_steps(self) -> int:
+        return max((len(row) for row in self.grid), default=0)
+
+
+def microbatch_order(plan: Plan) -> tuple[int, ...]:
+    """The order in which every rank walks its microbatches.
+
+    Microbatches are interleaved by their relative position inside their rank's
+    share in the widest stage, so that every rank of that stage receives work
+    early instead of waiting for the first ranks' shares to drain (a narrow
+    stage feeding a wide one would otherwise starve the wide stage's last ranks).
+    """
+    widest = max(plan.stages, key=lambda stage: len(stage.ranks))
+    position: dict[int, float] = {}
+    for microbatches in widest.microbatch_ranges().values():
+        for offset, microbatch in enumerate(microbatches):
+            position[microbatch] = (offset + 0.5) / len(microbatches)
+    return tuple(sorted(range(plan.num_microbatches), key=lambda j: (position[j], j)))
+
+
+def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions: GPipe (all forwards, then all backwards) or 1F1B."""
+    order = microbatch_order(plan)
+    last = len(plan.stages) - 1
+    programs: list[tuple[Action, ...]] = [()] * plan.world_size
+    for index, stage in enumerate(plan.stages):
+        for rank, share in stage.microbatch_ranges().items():
+            mine = [j for j in order if j in share]
+            forwards = [Action(index, ActionKind.FORWARD, j) for j in mine]
+            backwards = [Action(index, ActionKind.BACKWARD, j) for j in mine]
+            if forward_only:
+                programs[rank] = tuple(forwards)
+            elif plan.schedule is Schedule.GPIPE:
+                programs[rank] = tuple(forwards + backwards)
+            else:
+                programs[rank] = _one_f_one_b(forwards, backwards, warmup=last - index)
+    return tuple(programs)
+
+
+def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> tuple[Action, ...]:
+    """Warm-up forwards (one per later stage), then alternate forward/backward, then drain."""
+    warmup = min(warmup, len(forwards))
+    program = list(forwards[:warmup])
+    for forward, backward in zip(forwards[warmup:], backwards):
+        program += [forward, backward]
+    program += backwards[len(forwards) - warmup :]
+    return tuple(program)
+
+
+def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
+    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership."""
+    last = len(plan.stages) - 1
+    j, s = action.microbatch, action.stage
+    if action.kind is ActionKind.FORWARD:
+        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j)] if s > 0 else []
+        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j)] if s < last else []
+    else:
+        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j)] if s < last else []
+        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j)] if s > 0 else []
+    return recv, send
+
+
+def simulate(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action | None, ...], ...]:
+    """Run the programs in unit time steps with FIFO channels; raise on deadlock.
+
+    A rank runs its next action in a step when every message it must receive is
+    at the head of its channel (sent in an earlier step); sends never block.
+    """
+    channels: dict[tuple[int, int], list[Message]] = {}
+    cursor = [0] * len(programs)
+    grid: list[list[Action | None]] = [[] for _ in programs]
+    while any(c < len(p) for c, p in zip(cursor, programs)):
+        ready = []
+        for rank, program in enumerate(programs):
+            if cursor[rank] < len(program):
+                receives, sends = messages_of(plan, rank, program[cursor[rank]])
+                if all(channels.get((m.src, m.dst), [None])[:1] == [m] for m in receives):
+                    ready.append((rank, receives, sends))
+        if not ready:
+            raise PlanningError(f"schedule deadlocks: {_stuck_description(plan, programs, cursor, channels)}")
+        running = {rank for rank, _, _ in ready}
+        for rank in range(len(programs)):
+            grid[rank].append(programs[rank][cursor[rank]] if rank in running else None)
+        for rank, receives, sends in ready:
+            for message in receives:
+                channels[(message.src, message.dst)].pop(0)
+            for message in sends:
+                channels.setdefault((message.src, message.dst), []).append(message)
+            cursor[rank] += 1
+    leftovers = [m for queue in channels.values() for m in queue]
+    if leftovers:
+        raise PlanningError(f"schedule leaves {len(leftovers)} messages unreceived, first {leftovers[0]}")
+    return tuple(tuple(row) for row in grid)
+
+
+def _stuck_description(plan, programs, cursor, channels) -> str:
+    waiting = []
+    for rank, program in enumerate(programs):
+        if cursor[rank] < len(program):
+            receives, _ = messages_of(plan, rank, program[cursor[rank]])
+            waiting.append(f"rank {rank} at {program[cursor[rank]]} waits for {[str(m) for m in receives]}")
+    return "; ".join(waiting)
+
+
+def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward_only: bool = False) -> None:
+    """Every microbatch is forwarded (and backwarded) exactly once per stage, backward after forward."""
+    kinds = (ActionKind.FORWARD,) if forward_only else (ActionKind.FORWARD, ActionKind.BACKWARD)
+    for index, stage in enumerate(plan.stages):
+        for rank, share in stage.microbatch_ranges().items():
+            program = programs[rank]
+            if any(a.stage != index for a in program):
+                raise PlanningError(f"rank {rank} of stage {index} has actions of another stage: {program}")
+            for kind in kinds:
+                done = sorted(a.microbatch for a in program if a.kind is kind)
+                if done != list(share):
+                    raise PlanningError(
+                        f"stage {index} rank {rank}: {kind.name.lower()} microbatches {done} != its share {list(share)}"
+                    )
+            if not forward_only:
+                position = {(a.kind, a.microbatch): i for i, a in enumerate(program)}
+                late = [j for j in share if position[(ActionKind.BACKWARD, j)] < position[(ActionKind.FORWARD, j)]]
+                if late:
+                    raise PlanningError(f"stage {index} rank {rank}: backward before forward for microbatches {late}")
+
+
+def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
+    """The validated schedule of ``plan`` (forward-only for evaluation and prediction)."""
+    programs = rank_programs(plan, forward_only)
+    check_coverage(plan, programs, forward_only)
+    return PipelineSchedule(plan.schedule, programs, simulate(plan, programs))

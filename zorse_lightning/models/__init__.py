@@ -1,0 +1,1 @@
+"""Models written as users write them: plain LightningModules, no zorse code inside."""

@@ -1,0 +1,118 @@
+"""Communication costs: point-to-point transfers and ring collectives over real links.
+
+What overlaps and what does not (the pipeline formula in :mod:`.compute` uses this):
+
+* activations and their gradients between stages are sent asynchronously: in the
+  steady state they overlap compute, so a boundary only limits the iteration when
+  its busiest link needs longer than the busiest stage; during fill and drain
+  each boundary adds one transfer each way to the critical path;
+* gradient synchronisation of a stage (ring all-reduce, or reduce-scatter then
+  all-gather of the updated parameters when the optimizer state is sharded) runs
+  after the stage's last backward and is *not* overlapped (conservative: the
+  drain of earlier stages would hide part of it).
+
+Links between machines are shared by every GPU pair of the two machines; links
+inside a machine are taken per GPU pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.units import gbps_to_bytes_per_s
+
+MS_PER_S = 1000.0
+US_PER_MS = 1000.0
+
+
+def transfer_ms(num_bytes: float, bandwidth_gbps: float, latency_us: float) -> float:
+    """One message: latency plus bytes over bandwidth."""
+    if num_bytes <= 0:
+        return 0.0
+    return latency_us / US_PER_MS + num_bytes / gbps_to_bytes_per_s(bandwidth_gbps) * MS_PER_S
+
+
+def ring_reduce_scatter_ms(num_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """Ring reduce-scatter: (n-1) steps, each moving bytes/n over the slowest ring link."""
+    if num_ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    steps = num_ranks - 1
+    return steps * latency_us / US_PER_MS + steps / num_ranks * num_bytes / gbps_to_bytes_per_s(bandwidth_gbps) * MS_PER_S
+
+
+def ring_all_gather_ms(num_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """Ring all-gather moves the same volume as a reduce-scatter."""
+    return ring_reduce_scatter_ms(num_bytes, num_ranks, bandwidth_gbps, latency_us)
+
+
+def ring_all_reduce_ms(num_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """Ring all-reduce = reduce-scatter + all-gather: 2(n-1)/n x bytes / bandwidth, 2(n-1) latencies."""
+    return ring_reduce_scatter_ms(num_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_gather_ms(
+        num_bytes, num_ranks, bandwidth_gbps, latency_us
+    )
+
+
+LinkKey = tuple
+"""("machines", a, b) for a link between two machines, ("gpus", ra, rb) inside one."""
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """Bandwidth and latency lookups with a per-instance cache.
+
+    The inventory scans its link overrides on every call; planning a 1024-GPU
+    cluster asks for the same machine pairs many thousand times.
+    """
+
+    inventory: ClusterInventory
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
+        """(key of the shared link, bandwidth_gbps, latency_us) between two ranks."""
+        gpus = self.inventory.gpus
+        ma, mb = gpus[rank_a].machine, gpus[rank_b].machine
+        key: LinkKey = ("gpus", rank_a, rank_b) if ma == mb else ("machines", ma, mb)
+        cache_key = ("machines", ma, mb) if ma != mb else ("intra", ma, rank_a == rank_b)
+        if cache_key not in self._cache:
+            self._cache[cache_key] = (
+                self.inventory.bandwidth_gbps(rank_a, rank_b),
+                self.inventory.latency_us(rank_a, rank_b),
+            )
+        bandwidth_gbps, latency_us = self._cache[cache_key]
+        return key, bandwidth_gbps, latency_us
+
+    def bandwidth_gbps(self, rank_a: int, rank_b: int) -> float:
+        return self.link(rank_a, rank_b)[1]
+
+    def ring(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(slowest bandwidth_gbps, largest latency_us) of a ring through the ranks in order.
+
+        Ranks are in global order, so the GPUs of a machine sit next to each other
+        and the ring crosses each machine boundary once per direction.
+        """
+        if len(ranks) <= 1:
+            return float("inf"), 0.0
+        pairs = [(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
+        links = [self.link(a, b) for a, b in pairs]
+        return min(l[1] for l in links), max(l[2] for l in links)
+
+
+def ring_sync_ms(gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharded: bool) -> float:
+    """Gradient synchronisation of one stage after its last backward.
+
+    Unsharded: all-reduce of the gradients. Optimizer state sharded (ZeRO-1):
+    reduce-scatter of the gradients, then all-gather of the updated weights (same
+    bytes as the gradients at training precision): the same volume, in two parts.
+    """
+    if sharded:
+        return ring_reduce_scatter_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_gather_ms(
+            gradient_bytes, num_ranks, bandwidth_gbps, latency_us
+        )
+    return ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us)
+
+
+def stage_sync_ms(links: LinkTable, ranks: tuple[int, ...], gradient_bytes: float, sharded: bool) -> float:
+    """:func:`ring_sync_ms` over the ring through the stage's ranks in rank order."""
+    bandwidth_gbps, latency_us = links.ring(ranks)
+    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded)

@@ -1,0 +1,93 @@
+"""Compute time of a stage on one GPU type, and the iteration time of the pipeline.
+
+The pipeline formula (used by the search, checked against hand calculations and
+against the event simulation in :mod:`.simulate`):
+
+A plan is a chain of *elements*: stage 0, boundary 0-1, stage 1, ..., stage S-1.
+Each element ``e`` has
+
+* a latency ``l_e``: the time one microbatch spends in it, forward plus backward
+  (stage: the slowest rank that processes microbatches, ``max_r f_r + b_r``;
+  boundary: one activation transfer forward plus one gradient transfer back);
+* a busy time ``T_e`` per iteration (stage: ``max_r n_r (f_r + b_r)`` over its ranks
+  with ``n_r`` microbatches each; boundary: its busiest link's total transfer time).
+
+Then::
+
+    iteration_ms = sum_e l_e + max_e (T_e - l_e) + max_s sync_s
+
+The bottleneck element is busy ``T_e`` back to back; before its first microbatch
+and after its last, one microbatch must pass every other element (fill and drain).
+For ``S`` equal single-GPU stages with per-microbatch time ``t = f + b`` and ``M``
+microbatches this is the familiar ``(M + S - 1) t``; for one stage (data
+parallel) it is ``max_r n_r t_r`` plus the all-reduce. 1F1B and GPipe have the
+same fill and drain here (both run every forward of a microbatch before its
+backward through the whole pipe); they differ in memory (see :mod:`.memory`), so
+GPipe never beats 1F1B in this model and the search tries it only when pinned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zorse_lightning.profiling.profile import BlockTimes, DeviceTimes
+
+
+@dataclass(frozen=True)
+class MicrobatchTimes:
+    """Forward and backward time of one microbatch through a stage's blocks on one GPU."""
+
+    forward_ms: float
+    backward_ms: float
+    """Includes the recomputed forward when recomputation is on."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+def _blocks(device: DeviceTimes, layers: tuple[int, int], first: bool, last: bool) -> list[BlockTimes]:
+    blocks = list(device.layers[layers[0] : layers[1]])
+    if first:
+        blocks.insert(0, device.embedding)
+    if last:
+        blocks.append(device.head)
+    return blocks
+
+
+def stage_microbatch_times(
+    device: DeviceTimes, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool
+) -> MicrobatchTimes:
+    """Time of one microbatch of ``microbatch_size`` samples through the stage's blocks.
+
+    Recomputation reruns the forward of the layers (not embedding or head) during
+    the backward.
+    """
+    forward = backward = 0.0
+    for block in _blocks(device, layers, first, last):
+        forward += block.forward.at(microbatch_size)
+        backward += block.backward.at(microbatch_size)
+    if recompute:
+        backward += sum(b.forward.at(microbatch_size) for b in device.layers[layers[0] : layers[1]])
+    return MicrobatchTimes(forward, backward)
+
+
+def stage_busy_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
+    """Busy time of a stage per iteration: its slowest rank's total work."""
+    return max((n * t for n, t in zip(microbatches, microbatch_ms)), default=0.0)
+
+
+def stage_latency_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
+    """One microbatch through the stage on the slowest rank that processes any."""
+    return max((t for n, t in zip(microbatches, microbatch_ms) if n > 0), default=0.0)
+
+
+def pipeline_ms(latencies_ms: list[float], busy_ms: list[float]) -> float:
+    """``sum_e l_e + max_e (T_e - l_e)`` over the chain of stages and boundaries."""
+    return sum(latencies_ms) + max(t - l for t, l in zip(busy_ms, latencies_ms))
+
+
+def per_sample_layer_ms(device: DeviceTimes) -> float:
+    """Forward plus backward slope of an average layer: the type's cost of one sample-layer."""
+    layers = device.layers
+    return sum(b.forward.slope_ms + b.backward.slope_ms for b in layers) / len(layers)

@@ -1,0 +1,199 @@
+"""The cost model applied to a whole plan: iteration time, memory per rank, and why a plan
+does not fit. Every plan the search or a baseline returns is priced here, so all of
+them are compared in one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.planner.comm import LinkTable, stage_sync_ms, transfer_ms
+from zorse_lightning.planner.compute import MicrobatchTimes, pipeline_ms, stage_busy_ms, stage_latency_ms, stage_microbatch_times
+from zorse_lightning.planner.memory import (
+    RankMemory,
+    activation_bytes_per_microbatch,
+    microbatches_in_flight,
+    reserve_gib,
+    shard_fractions_by_free_memory,
+    stage_parameters,
+    stage_state_bytes,
+    state_bytes_per_parameter,
+)
+from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
+from zorse_lightning.profiling.profile import ModelProfile
+from zorse_lightning.units import bytes_to_gib, gib_to_bytes
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What pricing a plan needs besides the plan itself."""
+
+    inventory: ClusterInventory
+    profile: ModelProfile
+    links: LinkTable
+    memory_reserve_gib: float | None = None
+    """None: 0.5 GiB per real GPU, scaled on emulated clusters (see :func:`reserve_gib`)."""
+
+    @classmethod
+    def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
+        return cls(inventory, profile, LinkTable(inventory), memory_reserve_gib)
+
+    def reserve_bytes(self, rank: int) -> float:
+        gpu = self.inventory.gpus[rank]
+        return gib_to_bytes(reserve_gib(gpu.memory_gib, gpu.gpu_type.memory_gib, self.inventory.emulated, self.memory_reserve_gib))
+
+    def capacity_bytes(self, rank: int) -> float:
+        return gib_to_bytes(self.inventory.gpus[rank].memory_gib)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    times: tuple[MicrobatchTimes, ...]
+    """One microbatch on each rank of the stage."""
+    busy_ms: float
+    latency_ms: float
+    sync_ms: float
+    memory: tuple[RankMemory, ...]
+
+
+@dataclass(frozen=True)
+class BoundaryCost:
+    transfer_ms: float
+    """Slowest single transfer of one microbatch's activation across the boundary."""
+    busy_ms: float
+    """Busiest link's transfers per iteration, one direction (links are full duplex)."""
+    routes: tuple[tuple[int, int, int], ...]
+    """(sending rank, receiving rank, microbatches) in microbatch order."""
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    stages: tuple[StageCost, ...]
+    boundaries: tuple[BoundaryCost, ...]
+    pipeline_ms: float
+    sync_ms: float
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.pipeline_ms + self.sync_ms
+
+
+def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
+    """Which rank sends how many consecutive microbatches to which rank across a boundary."""
+    send = [[r, n] for r, n in zip(sender.ranks, sender.microbatches_per_rank) if n > 0]
+    recv = [[r, n] for r, n in zip(receiver.ranks, receiver.microbatches_per_rank) if n > 0]
+    out: list[tuple[int, int, int]] = []
+    i = j = 0
+    while i < len(send) and j < len(recv):
+        count = min(send[i][1], recv[j][1])
+        out.append((send[i][0], recv[j][0], count))
+        send[i][1] -= count
+        recv[j][1] -= count
+        i += send[i][1] == 0
+        j += recv[j][1] == 0
+    return out
+
+
+def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
+    sender, receiver = plan.stages[index], plan.stages[index + 1]
+    message_bytes = ctx.profile.layers[sender.layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
+    per_link: dict = {}
+    slowest = 0.0
+    route_list = routes(sender, receiver)
+    for a, b, count in route_list:
+        key, bandwidth_gbps, latency_us = ctx.links.link(a, b)
+        one = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
+        slowest = max(slowest, one)
+        per_link[key] = per_link.get(key, 0.0) + count * one
+    return BoundaryCost(slowest, max(per_link.values(), default=0.0), tuple(route_list))
+
+
+def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
+    stage = plan.stages[index]
+    first, last = index == 0, index == len(plan.stages) - 1
+    profile = ctx.profile
+    times = tuple(
+        stage_microbatch_times(
+            profile.times(t), stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
+        )
+        for t in stage.gpu_types
+    )
+    totals = [t.total_ms for t in times]
+    counts = list(stage.microbatches_per_rank)
+    parameters = stage_parameters(profile, stage.layers, first=first, last=last)
+    gradient_bytes = parameters * state_bytes_per_parameter(profile.dtype).gradients
+    sync = stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, stage.sharding is not Sharding.NONE)
+    return StageCost(
+        times=times,
+        busy_ms=stage_busy_ms(totals, counts),
+        latency_ms=stage_latency_ms(totals, counts),
+        sync_ms=sync,
+        memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()),
+    )
+
+
+def stage_memory(ctx: CostContext, plan: Plan, index: int, fractions: tuple[float, ...]) -> tuple[RankMemory, ...]:
+    stage = plan.stages[index]
+    first, last = index == 0, index == len(plan.stages) - 1
+    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
+    held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding)
+    per_microbatch = activation_bytes_per_microbatch(
+        ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
+    )
+    return tuple(
+        RankMemory(
+            state_bytes=held,
+            sharded_bytes=sharded * fraction,
+            activation_bytes=per_microbatch * microbatches_in_flight(plan.schedule, len(plan.stages), index, n),
+            reserve_bytes=ctx.reserve_bytes(rank),
+        )
+        for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions)
+    )
+
+
+def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tuple[float, ...]:
+    """Shard fractions of a stage by each rank's memory left after its unsharded needs."""
+    stage = plan.stages[index]
+    unsharded = stage_memory(ctx, plan, index, tuple(0.0 for _ in stage.ranks))
+    return shard_fractions_by_free_memory(
+        [ctx.capacity_bytes(r) - m.total_bytes for r, m in zip(stage.ranks, unsharded)]
+    )
+
+
+def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
+    stages = tuple(stage_cost(ctx, plan, i) for i in range(len(plan.stages)))
+    boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
+    latencies, busy = [], []
+    for i, stage in enumerate(stages):
+        latencies.append(stage.latency_ms)
+        busy.append(stage.busy_ms)
+        if i < len(boundaries):
+            latencies.append(2 * boundaries[i].transfer_ms)
+            busy.append(boundaries[i].busy_ms)
+    return PlanCost(stages, boundaries, pipeline_ms(latencies, busy), max(s.sync_ms for s in stages))
+
+
+def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:
+    """(stage index, rank, GiB over capacity) for every rank that does not fit."""
+    over = []
+    for index, (stage, stage_cost_) in enumerate(zip(plan.stages, cost.stages)):
+        for rank, memory in zip(stage.ranks, stage_cost_.memory):
+            excess = memory.total_bytes - ctx.capacity_bytes(rank)
+            if excess > 0:
+                over.append((index, rank, bytes_to_gib(excess)))
+    return over
+
+
+def prediction(ctx: CostContext, plan: Plan, cost: PlanCost) -> Prediction:
+    memory = [0.0] * plan.world_size
+    for stage, stage_cost_ in zip(plan.stages, cost.stages):
+        for rank, rank_memory in zip(stage.ranks, stage_cost_.memory):
+            memory[rank] = round(bytes_to_gib(rank_memory.total_bytes), 4)
+    types = {t for s in plan.stages for t in s.gpu_types}
+    return Prediction(
+        iteration_ms=cost.iteration_ms,
+        samples_per_s=plan.global_batch_size / cost.iteration_ms * 1000.0,
+        memory_gib=tuple(memory),
+        profile_source={t: ctx.profile.times(t).source.value for t in sorted(types)},
+    )

@@ -1,0 +1,165 @@
+"""Memory of one GPU of a stage: training state, activations in flight, a reserve.
+
+Every GPU is checked against its *own* capacity (``Gpu.memory_gib``), never the
+smallest of its group: a stage that mixes a 40 GiB and a 16 GiB GPU gives the
+big one more microbatches in flight and, when state is sharded, a bigger shard.
+
+Bytes per parameter (ZeRO paper's accounting):
+
+* mixed precision (float16 / bfloat16 training): weights 2 + gradients 2 +
+  optimizer 12 (fp32 master copy 4 + Adam moments 4 + 4) = 16;
+* float32 training: weights 4 + gradients 4 + optimizer 8 (two moments) = 16.
+
+Only the optimizer part is sharded (``Sharding.OPTIMIZER``, ZeRO-1: the only
+sharding level the engine supports beside none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.profiling.profile import BlockShape, ModelProfile
+
+DEFAULT_RESERVE_GIB = 0.5
+"""CUDA context, allocator fragmentation and NCCL buffers on a real GPU."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Training-state bytes per parameter for one training precision."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+_STATE_BYTES = {
+    "float16": StateBytes(weights=2, gradients=2, optimizer=12),
+    "bfloat16": StateBytes(weights=2, gradients=2, optimizer=12),
+    "float32": StateBytes(weights=4, gradients=4, optimizer=8),
+}
+
+
+def state_bytes_per_parameter(dtype: str) -> StateBytes:
+    try:
+        return _STATE_BYTES[dtype]
+    except KeyError:
+        raise PlanningError(
+            f"profile dtype={dtype!r} is not a training precision the planner knows "
+            f"(known: {', '.join(_STATE_BYTES)}); profile the model in one of those"
+        ) from None
+
+
+def stage_blocks(profile: ModelProfile, layers: tuple[int, int], *, first: bool, last: bool) -> list[BlockShape]:
+    """The blocks a stage holds: its layers, plus the embedding on the first stage and the
+    head on the last (a tied head on a one-stage plan shares the embedding's weights)."""
+    blocks = list(profile.layers[layers[0] : layers[1]])
+    if first:
+        blocks.insert(0, profile.embedding)
+    if last:
+        blocks.append(_head_shape(profile, first))
+    return blocks
+
+
+def _head_shape(profile: ModelProfile, first: bool) -> BlockShape:
+    if profile.tied_embedding_head and first:
+        head = profile.head
+        return BlockShape(head.name, 0, head.activation_bytes_per_sample, head.output_bytes_per_sample, head.forward_flops_per_sample)
+    return profile.head
+
+
+def stage_parameters(profile: ModelProfile, layers: tuple[int, int], *, first: bool, last: bool) -> int:
+    return sum(b.parameters for b in stage_blocks(profile, layers, first=first, last=last))
+
+
+def activation_bytes_per_microbatch(
+    profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool
+) -> float:
+    """Bytes one microbatch keeps on the stage between its forward and its backward.
+
+    With recomputation a layer keeps only its input (the previous block's output)
+    and the backward of one layer at a time rebuilds that layer's activations,
+    hence the largest layer's activations once on top. Embedding and head are not
+    recomputed.
+    """
+    start, end = layers
+    per_sample = 0.0
+    if first:
+        per_sample += profile.embedding.activation_bytes_per_sample
+    if last:
+        per_sample += profile.head.activation_bytes_per_sample
+    chosen = profile.layers[start:end]
+    if recompute:
+        inputs = [profile.layers[i - 1] if i > 0 else profile.embedding for i in range(start, end)]
+        per_sample += sum(b.output_bytes_per_sample for b in inputs)
+        per_sample += max(b.activation_bytes_per_sample for b in chosen)
+    else:
+        per_sample += sum(b.activation_bytes_per_sample for b in chosen)
+    return per_sample * microbatch_size
+
+
+def microbatches_in_flight(schedule: Schedule, num_stages: int, stage_index: int, num_microbatches: int) -> int:
+    """Microbatches whose activations a rank holds at its peak.
+
+    1F1B: a rank of stage ``i`` of ``S`` runs at most ``S - i`` forwards before its
+    first backward; GPipe runs every forward first.
+    """
+    if schedule is Schedule.GPIPE:
+        return num_microbatches
+    return min(num_microbatches, num_stages - stage_index)
+
+
+def reserve_gib(gpu_memory_gib: float, type_memory_gib: float, emulated: bool, reserve_override_gib: float | None) -> float:
+    """Framework reserve: the override if given, else 0.5 GiB, scaled by budget / type
+    memory on emulated clusters (whose budgets are scaled down copies of real GPUs)."""
+    if reserve_override_gib is not None:
+        return reserve_override_gib
+    if emulated:
+        return DEFAULT_RESERVE_GIB * gpu_memory_gib / type_memory_gib
+    return DEFAULT_RESERVE_GIB
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak bytes of one rank, by component."""
+
+    state_bytes: float
+    """Weights, gradients and the unsharded part of the optimizer state."""
+    sharded_bytes: float
+    """This rank's share of the sharded optimizer state."""
+    activation_bytes: float
+    reserve_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.sharded_bytes + self.activation_bytes + self.reserve_bytes
+
+
+def stage_state_bytes(parameters: int, dtype: str, sharding: Sharding) -> tuple[float, float]:
+    """(bytes every rank of the stage holds, bytes the stage shards across its ranks)."""
+    per = state_bytes_per_parameter(dtype)
+    if sharding is Sharding.NONE:
+        return float(parameters * per.total), 0.0
+    if sharding is Sharding.OPTIMIZER:
+        return float(parameters * (per.weights + per.gradients)), float(parameters * per.optimizer)
+    raise PlanningError(f"sharding {sharding.value!r} is not supported by the engine yet; use none or optimizer")
+
+
+def shard_fractions_by_free_memory(free_bytes: list[float]) -> tuple[float, ...]:
+    """Shares of a stage's sharded state, proportional to each rank's free memory.
+
+    Every rank then fills the same fraction of its free memory, so the stage fits
+    exactly when the sharded state fits into the sum of free memory (an even split
+    needs the smallest free memory times the rank count).
+    """
+    positive = [max(f, 0.0) for f in free_bytes]
+    total = sum(positive)
+    if total <= 0:
+        return tuple(1.0 / len(free_bytes) for _ in free_bytes)
+    return tuple(f / total for f in positive)

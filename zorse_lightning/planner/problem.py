@@ -1,0 +1,222 @@
+"""From a candidate (stage layout, microbatch size, schedule, sharding, recomputation) to
+the arrays of the integer program, and from its solution back to a :class:`Plan`.
+
+The integer program chooses *how many* layers each stage gets. Where layers
+differ (measured profiles are noisy), each count is priced by its worst window
+of consecutive layers, so the program's times and memory are upper bounds of the
+cost model's for the split it returns (equal when the layers are alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.planner.comm import ring_sync_ms, transfer_ms
+from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions
+from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
+from zorse_lightning.planner.memory import stage_state_bytes, state_bytes_per_parameter
+from zorse_lightning.planner.plan import Plan, StagePlan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    microbatch_size: int
+    schedule: Schedule
+    sharding: Sharding
+    """For stages of more than one GPU; a one-GPU stage has nothing to shard."""
+    recompute: bool
+
+
+def _window_max(values: list[float]) -> tuple[float, ...]:
+    """For k = 1..n: the largest sum of k consecutive values."""
+    n = len(values)
+    if all(v == values[0] for v in values):
+        return tuple(values[0] * k for k in range(1, n + 1))
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    return tuple(max(prefix[a + k] - prefix[a] for a in range(n - k + 1)) for k in range(1, n + 1))
+
+
+@dataclass(frozen=True)
+class WindowCosts:
+    """Worst-window layer costs by layer count, cached for one planning run."""
+
+    ctx: CostContext
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _memo(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def time_ms(self, gpu_type: str, microbatch_size: int, recompute: bool) -> tuple[float, ...]:
+        def make():
+            layers = self.ctx.profile.times(gpu_type).layers
+            return _window_max(
+                [
+                    b.forward.at(microbatch_size) * (1 + recompute) + b.backward.at(microbatch_size)
+                    for b in layers
+                ]
+            )
+
+        return self._memo(("time", gpu_type, microbatch_size, recompute), make)
+
+    def parameters(self) -> tuple[float, ...]:
+        return self._memo(("params",), lambda: _window_max([float(b.parameters) for b in self.ctx.profile.layers]))
+
+    def activation_bytes(self, microbatch_size: int, recompute: bool) -> tuple[float, ...]:
+        """Per microbatch; with recomputation the inputs plus the largest layer once."""
+
+        def make():
+            profile = self.ctx.profile
+            if not recompute:
+                return _window_max([b.activation_bytes_per_sample * microbatch_size for b in profile.layers])
+            inputs = [profile.embedding, *profile.layers[:-1]]
+            largest = max(b.activation_bytes_per_sample for b in profile.layers)
+            kept = _window_max([b.output_bytes_per_sample for b in inputs])
+            return tuple((k + largest) * microbatch_size for k in kept)
+
+        return self._memo(("act", microbatch_size, recompute), make)
+
+
+def boundary_transfer_ms(ctx: CostContext, sender: tuple[int, ...], receiver: tuple[int, ...], message_bytes: float) -> tuple[float, float]:
+    """(fastest, slowest) one-way transfer of a message between any GPU of one stage and
+    any of the next, over one representative GPU per machine."""
+    reps_a = {ctx.inventory.gpus[r].machine: r for r in sender}
+    reps_b = {ctx.inventory.gpus[r].machine: r for r in receiver}
+    times = [transfer_ms(message_bytes, *ctx.links.link(a, b)[1:]) for a in reps_a.values() for b in reps_b.values()]
+    return min(times), max(times)
+
+
+def _extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
+    """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds."""
+    profile, device = ctx.profile, ctx.profile.times(gpu_type)
+    time = params = act = 0.0
+    if first:
+        time += device.embedding.forward.at(microbatch_size) + device.embedding.backward.at(microbatch_size)
+        params += profile.embedding.parameters
+        act += profile.embedding.activation_bytes_per_sample * microbatch_size
+    if last:
+        time += device.head.forward.at(microbatch_size) + device.head.backward.at(microbatch_size)
+        params += 0 if (profile.tied_embedding_head and first) else profile.head.parameters
+        act += profile.head.activation_bytes_per_sample * microbatch_size
+    return time, params, act
+
+
+def stage_groups(ctx: CostContext, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Identical GPUs of a stage: same type, memory and reserve."""
+    found: dict[tuple, list[int]] = {}
+    for rank in ranks:
+        gpu = ctx.inventory.gpus[rank]
+        found.setdefault((gpu.gpu_type.name, gpu.memory_gib, ctx.reserve_bytes(rank)), []).append(rank)
+    return [tuple(g) for g in found.values()]
+
+
+def build_problem(
+    ctx: CostContext, windows: WindowCosts, candidate: Candidate, global_batch_size: int, layer_counts: tuple[int, ...] | None
+) -> tuple[AssignmentProblem, list[list[tuple[int, ...]]]]:
+    """The integer program of a candidate, and the rank groups its variables refer to."""
+    profile, m = ctx.profile, candidate.microbatch_size
+    num_layers, num_stages = profile.num_layers, len(candidate.layout)
+    gradient_bytes_per_param = state_bytes_per_parameter(profile.dtype).gradients
+    message_bytes = max(b.output_bytes_per_sample for b in profile.layers) * m
+    stages, all_groups = [], []
+    for s, ranks in enumerate(candidate.layout):
+        first, last = s == 0, s == num_stages - 1
+        sharding = candidate.sharding if len(ranks) > 1 else Sharding.NONE
+        groups = stage_groups(ctx, ranks)
+        bandwidth_gbps, latency_us = ctx.links.ring(ranks)
+        extra_params = _extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
+        params = [p + extra_params for p in windows.parameters()]
+        costs = []
+        for group in groups:
+            gpu_type = ctx.inventory.gpus[group[0]].gpu_type.name
+            extra_ms, _, extra_act = _extras(ctx, gpu_type, m, first, last)
+            times = windows.time_ms(gpu_type, m, candidate.recompute)
+            held = [stage_state_bytes(p, profile.dtype, sharding)[0] for p in params]
+            costs.append(
+                GroupCosts(
+                    count=len(group),
+                    microbatch_ms=tuple(t + extra_ms for t in times),
+                    fixed_bytes=tuple(h + ctx.reserve_bytes(group[0]) for h in held),
+                    activation_bytes=tuple(a + extra_act for a in windows.activation_bytes(m, candidate.recompute)),
+                    capacity_bytes=ctx.capacity_bytes(group[0]),
+                )
+            )
+        stages.append(
+            StageCosts(
+                groups=tuple(costs),
+                latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
+                sync_ms=tuple(
+                    ring_sync_ms(p * gradient_bytes_per_param, len(ranks), bandwidth_gbps, latency_us, sharding is not Sharding.NONE)
+                    for p in params
+                ),
+                sharded_bytes=tuple(stage_state_bytes(p, profile.dtype, sharding)[1] for p in params),
+                max_in_flight=None if candidate.schedule is Schedule.GPIPE else num_stages - s,
+            )
+        )
+        all_groups.append(groups)
+    constant = sum(
+        2 * boundary_transfer_ms(ctx, a, b, message_bytes)[1] for a, b in zip(candidate.layout, candidate.layout[1:])
+    )
+    problem = AssignmentProblem(
+        num_layers, global_batch_size // m, tuple(stages), constant_ms=constant, layer_counts=layer_counts
+    )
+    return problem, all_groups
+
+
+def to_plan(
+    ctx: CostContext,
+    candidate: Candidate,
+    assignment: Assignment,
+    groups: list[list[tuple[int, ...]]],
+    global_batch_size: int,
+    notes: tuple[str, ...] = (),
+) -> Plan:
+    """The plan of a solved candidate: contiguous layers, each group's microbatches spread
+    evenly over its GPUs, sharded state split by free memory."""
+    stages, start = [], 0
+    for ranks, count, stage_groups_, shares in zip(candidate.layout, assignment.layer_counts, groups, assignment.group_microbatches):
+        per_rank = {}
+        for group, share in zip(stage_groups_, shares):
+            base, extra = divmod(share, len(group))
+            per_rank.update({r: base + (i < extra) for i, r in enumerate(group)})
+        gpus = [ctx.inventory.gpus[r] for r in ranks]
+        stages.append(
+            StagePlan(
+                ranks=ranks,
+                gpu_types=tuple(g.gpu_type.name for g in gpus),
+                machines=tuple(g.machine for g in gpus),
+                layers=(start, start + count),
+                microbatches_per_rank=tuple(per_rank[r] for r in ranks),
+                sharding=candidate.sharding if len(ranks) > 1 else Sharding.NONE,
+                recompute=candidate.recompute,
+            )
+        )
+        start += count
+    plan = Plan(
+        model=ctx.profile.model,
+        cluster=ctx.inventory.name,
+        num_layers=ctx.profile.num_layers,
+        world_size=ctx.inventory.world_size,
+        global_batch_size=global_batch_size,
+        microbatch_size=candidate.microbatch_size,
+        schedule=candidate.schedule,
+        stages=tuple(stages),
+        solver=assignment.record,
+        notes=notes,
+    )
+    return with_free_memory_shards(ctx, plan)
+
+
+def with_free_memory_shards(ctx: CostContext, plan: Plan) -> Plan:
+    """Set uneven shard fractions (by free memory) on every sharded stage."""
+    stages = tuple(
+        replace(stage, shard_fractions=free_memory_shard_fractions(ctx, plan, i)) if stage.sharding is not Sharding.NONE else stage
+        for i, stage in enumerate(plan.stages)
+    )
+    return replace(plan, stages=stages)

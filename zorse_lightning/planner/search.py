@@ -1,0 +1,209 @@
+"""The planner's entry point: enumerate the outer choices, solve each with the integer
+program, price every solution in the cost model, keep the fastest.
+
+Outer choices: stage layout and order (:mod:`.grouping`), microbatch size,
+schedule, sharding of the optimizer state, recomputation. Candidates are visited
+in order of a lower bound on their iteration time (all GPUs of the layout busy
+on their fastest layer, plus one layer of fill per other stage, plus the
+fastest boundary transfers); once the bound reaches the best plan found, the rest
+are skipped. Per candidate the program runs with sharded optimizer state (free
+in time in this model, it only saves memory) without recomputation, and with
+recomputation only when that does not fit; stages that also fit unsharded are
+then left unsharded. GPipe is tried only when pinned: its time equals 1F1B's and
+its memory is never smaller (see :mod:`.compute`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, Schedule, Sharding
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.compute import per_sample_layer_ms
+from zorse_lightning.planner.diagnose import infeasible_error
+from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, stage_memory
+from zorse_lightning.planner.grouping import Layout, candidate_layouts
+from zorse_lightning.planner.ilp import solve_assignment
+from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.problem import Candidate, WindowCosts, boundary_transfer_ms, build_problem, to_plan
+from zorse_lightning.profiling.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the search, and pins: parts of the plan the user fixes (None: planner chooses)."""
+
+    solver_time_limit_s: float = 10.0
+    """Per integer program; a solution found within the limit is kept and marked as such."""
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Candidates; those that do not divide the global batch are skipped."""
+    allow_pipeline: bool = True
+    """False: data parallel only (one stage), for modules that cannot be cut."""
+    no_pipeline_reason: str = "the module cannot be cut into pipeline stages"
+    """Why pipelining is off; recorded in the plan's notes."""
+    memory_reserve_gib: float | None = None
+    """Per-GPU framework reserve; None: 0.5 GiB, scaled down on emulated clusters."""
+    max_stages: int = 16
+    stage_layout: tuple[tuple[int, ...], ...] | None = None
+    """Pinned stages in pipeline order, each a list of global ranks."""
+    layer_counts: tuple[int, ...] | None = None
+    """Pinned layers per stage (pipeline order), summing to the model's layers."""
+    microbatch_size: int | None = None
+    schedule: Schedule | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_layout is not None:
+            object.__setattr__(self, "stage_layout", tuple(tuple(int(r) for r in s) for s in self.stage_layout))
+        if self.layer_counts is not None:
+            object.__setattr__(self, "layer_counts", tuple(int(c) for c in self.layer_counts))
+        object.__setattr__(self, "microbatch_sizes", tuple(self.microbatch_sizes))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if not self.solver_time_limit_s > 0:
+            raise PlanningError(f"solver_time_limit_s={self.solver_time_limit_s} must be positive (seconds per solve)")
+        if self.max_stages < 1:
+            raise PlanningError(f"max_stages={self.max_stages} must be at least 1")
+        sizes = self.microbatch_sizes + ((self.microbatch_size,) if self.microbatch_size is not None else ())
+        if not sizes or any(m < 1 for m in sizes):
+            raise PlanningError(f"microbatch sizes {list(sizes)} must be positive integers; give at least one")
+        if self.schedule is not None and self.schedule not in SUPPORTED_SCHEDULES:
+            raise PlanningError(f"schedule {self.schedule.value!r} is not supported by the engine; use one of {[s.value for s in SUPPORTED_SCHEDULES]}")
+        if self.layer_counts is not None and any(c < 1 for c in self.layer_counts):
+            raise PlanningError(f"layer_counts {list(self.layer_counts)}: every stage needs at least one layer")
+
+
+def make_plan(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> Plan:
+    """The fastest plan the search finds; raises :class:`PlanningError` when none fits."""
+    started = time.perf_counter()
+    _check_inputs(inventory, profile, global_batch_size, options)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    windows = WindowCosts(ctx)
+    notes = () if options.allow_pipeline else (f"data parallel only: {options.no_pipeline_reason}",)
+    layouts = _layouts(ctx, options)
+    sizes = _microbatch_sizes(global_batch_size, options)
+    schedules = [options.schedule] if options.schedule is not None else [Schedule.ONE_F_ONE_B]
+    queue = sorted(
+        ((_lower_bound_ms(ctx, windows, layout, m, global_batch_size), i, layout, m, schedule)
+         for i, (layout, m, schedule) in enumerate((l, m, s) for l in layouts for m in sizes for s in schedules)),
+        key=lambda item: item[:2],
+    )
+    best, best_ms, solves = None, float("inf"), 0
+    for bound, _, layout, m, schedule in queue:
+        if bound >= best_ms:
+            break
+        for recompute in (False, True):
+            candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
+            problem, groups = build_problem(ctx, windows, candidate, global_batch_size, options.layer_counts)
+            assignment = solve_assignment(problem, options.solver_time_limit_s)
+            solves += 1
+            if assignment is None:
+                continue
+            plan = _unshard_where_it_fits(ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes))
+            cost = plan_cost(ctx, plan)
+            if not memory_overruns(ctx, plan, cost) and cost.iteration_ms < best_ms:
+                best, best_ms = replace(plan, predicted=prediction(ctx, plan, cost)), cost.iteration_ms
+            break
+    if best is None:
+        raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
+    record = replace(best.solver, status=f"{best.solver.status}; {solves} programs solved")
+    return replace(best, planner_seconds=time.perf_counter() - started, solver=record)
+
+
+def speed_by_type(profile: ModelProfile, inventory: ClusterInventory) -> dict[str, float]:
+    """Sample-layers per millisecond of each GPU type of the cluster."""
+    return {t.name: 1.0 / per_sample_layer_ms(profile.times(t.name)) for t in inventory.gpu_types}
+
+
+def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
+    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
+        raise PlanningError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per iteration)")
+    missing = [t.name for t in inventory.gpu_types if t.name not in profile.devices]
+    if missing:
+        raise PlanningError(
+            f"profile of {profile.model!r} has no times for GPU type(s) {missing} of cluster {inventory.name!r} "
+            f"(has: {sorted(profile.devices)}); profile on those GPUs or use an estimated profile"
+        )
+    if options.layer_counts is not None and sum(options.layer_counts) != profile.num_layers:
+        raise PlanningError(
+            f"pinned layer_counts {list(options.layer_counts)} sum to {sum(options.layer_counts)}, "
+            f"but {profile.model!r} has {profile.num_layers} layers; make them add up"
+        )
+    if options.stage_layout is not None:
+        seen = sorted(r for s in options.stage_layout for r in s)
+        if seen != list(range(inventory.world_size)) or any(not s for s in options.stage_layout):
+            raise PlanningError(
+                f"pinned stage_layout uses ranks {seen}; it must use every rank 0..{inventory.world_size - 1} "
+                f"of cluster {inventory.name!r} exactly once, in non-empty stages"
+            )
+
+
+def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
+    num_layers = ctx.profile.num_layers
+    if options.stage_layout is not None:
+        layouts = [tuple(tuple(sorted(s)) for s in options.stage_layout)]
+    elif not options.allow_pipeline:
+        layouts = [(tuple(range(ctx.inventory.world_size)),)]
+    else:
+        speeds = speed_by_type(ctx.profile, ctx.inventory)
+        layouts = candidate_layouts(ctx.inventory, ctx.links, speeds, min(options.max_stages, num_layers))
+    if options.layer_counts is not None:
+        layouts = [l for l in layouts if len(l) == len(options.layer_counts)]
+    if not layouts or any(len(l) > num_layers for l in layouts):
+        raise PlanningError(
+            f"no stage layout matches the pins: {num_layers} layers, pinned layer_counts "
+            f"{options.layer_counts and list(options.layer_counts)}, pinned stage_layout "
+            f"{options.stage_layout and [list(s) for s in options.stage_layout]}; give as many layer counts as "
+            f"stages, and no more stages than layers"
+        )
+    if not options.allow_pipeline and len(layouts[0]) > 1:
+        raise PlanningError("allow_pipeline=False allows only one stage, but the pinned stage_layout has more")
+    return layouts
+
+
+def _microbatch_sizes(global_batch_size: int, options: PlannerOptions) -> list[int]:
+    sizes = [options.microbatch_size] if options.microbatch_size is not None else list(options.microbatch_sizes)
+    usable = [m for m in sizes if global_batch_size % m == 0]
+    if not usable:
+        raise PlanningError(
+            f"no microbatch size in {sizes} divides global_batch_size={global_batch_size}; "
+            f"pick a global batch that is a multiple of one of them, or add a divisor to the sizes"
+        )
+    return usable
+
+
+def _lower_bound_ms(ctx: CostContext, windows: WindowCosts, layout: Layout, m: int, global_batch_size: int) -> float:
+    """No plan of the layout at microbatch size ``m`` is faster than this (see module docstring)."""
+    num_m = global_batch_size // m
+    types = [[ctx.inventory.gpus[r].gpu_type.name for r in s] for s in layout]
+    fastest_layer = {
+        t: min(b.forward.at(m) + b.backward.at(m) for b in ctx.profile.times(t).layers) for t in {t for s in types for t in s}
+    }
+    capacity = sum(1.0 / fastest_layer[t] for s in types for t in s)
+    fill = [min(fastest_layer[t] for t in s) for s in types]
+    message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
+    transfers = sum(2 * boundary_transfer_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
+    return num_m * ctx.profile.num_layers / capacity + sum(fill) - max(fill) + transfers
+
+
+def _unshard_where_it_fits(ctx: CostContext, plan: Plan) -> Plan:
+    """Prefer unsharded stages: same time in this model, fewer collectives to get wrong."""
+    stages = list(plan.stages)
+    for i, stage in enumerate(stages):
+        if stage.sharding is Sharding.NONE:
+            continue
+        trial = replace(plan, stages=tuple(stages[:i] + [_unsharded(stage)] + stages[i + 1 :]))
+        memory = stage_memory(ctx, trial, i, tuple(0.0 for _ in stage.ranks))
+        if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
+            stages[i] = _unsharded(stage)
+    return replace(plan, stages=tuple(stages))
+
+
+def _unsharded(stage: StagePlan) -> StagePlan:
+    return replace(stage, sharding=Sharding.NONE, shard_fractions=())
+
+
+__all__ = ["PlannerOptions", "make_plan", "speed_by_type"]

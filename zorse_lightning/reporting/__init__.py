@@ -1,0 +1,1 @@
+"""Human-facing views of plans: tables for the terminal and the timeline picture."""

@@ -1,0 +1,68 @@
+"""Draw one iteration of a plan: a row per GPU, bars for forward, backward and communication."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+COLOURS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "send": "#55A868",
+    "recv": "#8172B3",
+    "allreduce": "#C44E52",
+    "optimizer": "#937860",
+}
+
+
+class TimelineEvent(Protocol):
+    rank: int
+    kind: str
+    start_ms: float
+    end_ms: float
+
+
+def draw_timeline(
+    events: Sequence[TimelineEvent],
+    row_labels: Sequence[str],
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """Write a PNG of ``events``; ``row_labels[rank]`` names each row (e.g. "0 a100x40 stage 0")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    height = max(2.5, 0.45 * len(row_labels) + 1.2)
+    figure, axes = plt.subplots(figsize=(12, min(height, 40)))
+    # Communication is drawn as a thin bar at the bottom of the row so it never hides compute.
+    for event in events:
+        communication = event.kind not in ("forward", "backward")
+        axes.broken_barh(
+            [(event.start_ms, max(event.end_ms - event.start_ms, 1e-6))],
+            (event.rank - 0.4, 0.25 if communication else 0.8),
+            facecolors=COLOURS.get(event.kind, "#999999"),
+            edgecolor="white" if not communication else None,
+            linewidth=0.3,
+        )
+    axes.set_yticks(range(len(row_labels)))
+    axes.set_yticklabels(row_labels, fontsize=8 if len(row_labels) < 40 else 5)
+    axes.invert_yaxis()
+    axes.set_xlabel("time in one iteration (ms)")
+    axes.set_title(title)
+    kinds = sorted({e.kind for e in events}, key=lambda k: list(COLOURS).index(k) if k in COLOURS else 99)
+    axes.legend(
+        handles=[Patch(color=COLOURS.get(k, "#999999"), label=k) for k in kinds],
+        loc="upper right",
+        fontsize=8,
+        ncols=len(kinds),
+    )
+    axes.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
