@@ -1,0 +1,44 @@
+"""The planning app: compose cluster + model + planner options, plan, print, save.
+
+Writes ``plan.json`` and ``timeline.png`` into the Hydra run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from zorse_lightning.apps.hydra_support import CONF_DIR, register_schemas, report_user_errors
+from zorse_lightning.apps.model_source import profile_from_config
+from zorse_lightning.apps.planner_options import planner_options_from_config
+from zorse_lightning.cluster.config import inventory_from_config
+from zorse_lightning.planner.baselines import all_baselines
+from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.search import make_plan
+from zorse_lightning.profiling import warn_if_mixed_sources
+from zorse_lightning.reporting.plan_table import print_plan
+from zorse_lightning.reporting.timeline import draw_plan_timeline
+
+
+@report_user_errors
+def _run(cfg: DictConfig) -> None:
+    inventory = inventory_from_config(cfg.cluster)
+    profile = profile_from_config(cfg.model, inventory)
+    options = planner_options_from_config(cfg.planner)
+    plan = make_plan(inventory, profile, int(cfg.global_batch_size), options)
+    warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    baselines = all_baselines(inventory, profile, int(cfg.global_batch_size), options)
+    print_plan(plan, ctx, baselines)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    plan.save(out / "plan.json")
+    draw_plan_timeline(plan, ctx, out / "timeline.png")
+    print(f"wrote {out / 'plan.json'} and {out / 'timeline.png'}")
+
+
+def main() -> None:
+    register_schemas()
+    hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")(_run)()

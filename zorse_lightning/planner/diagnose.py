@@ -1,0 +1,73 @@
+"""Why no plan fits: the most memory-frugal plan the search could have made, and the GPU
+that overflows it, by how much, and what would help."""
+
+from __future__ import annotations
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, stage_memory
+from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.rounding import proportional_counts
+from zorse_lightning.units import bytes_to_gib
+
+
+def frugal_plan(ctx: CostContext, layout: Layout, microbatch_size: int, schedule: Schedule, global_batch_size: int, layer_counts) -> Plan:
+    """Layers by stage memory (or pinned), microbatches by GPU memory, optimizer state
+    sharded, recomputation on: the least memory per GPU a layout allows, roughly."""
+    gpus = ctx.inventory.gpus
+    memory = [sum(gpus[r].memory_gib for r in s) for s in layout]
+    counts = layer_counts or proportional_counts(ctx.profile.num_layers, memory, minimum=1)
+    num_m = global_batch_size // microbatch_size
+    stages, start = [], 0
+    for ranks, count in zip(layout, counts):
+        stages.append(
+            StagePlan(
+                ranks=ranks,
+                gpu_types=tuple(gpus[r].gpu_type.name for r in ranks),
+                machines=tuple(gpus[r].machine for r in ranks),
+                layers=(start, start + count),
+                microbatches_per_rank=tuple(proportional_counts(num_m, [gpus[r].memory_gib for r in ranks])),
+                sharding=Sharding.OPTIMIZER if len(ranks) > 1 else Sharding.NONE,
+                recompute=True,
+            )
+        )
+        start += count
+    return Plan(
+        ctx.profile.model, ctx.inventory.name, ctx.profile.num_layers, ctx.inventory.world_size,
+        global_batch_size, microbatch_size, schedule, tuple(stages),
+    )
+
+
+def infeasible_error(ctx: CostContext, layouts: list[Layout], sizes: list[int], schedule: Schedule, global_batch_size: int, options) -> PlanningError:
+    layout = max(layouts, key=len)
+    m = min(sizes)
+    plan = frugal_plan(ctx, layout, m, schedule, global_batch_size, options.layer_counts)
+    worst = None
+    for index, stage in enumerate(plan.stages):
+        fractions = free_memory_shard_fractions(ctx, plan, index) if stage.sharding is not Sharding.NONE else stage.effective_shard_fractions()
+        for rank, used in zip(stage.ranks, stage_memory(ctx, plan, index, fractions)):
+            excess = used.total_bytes - ctx.capacity_bytes(rank)
+            if worst is None or excess > worst[0]:
+                worst = (excess, index, rank, used)
+    excess, index, rank, used = worst
+    gpu = ctx.inventory.gpus[rank]
+    stage = plan.stages[index]
+    pins = [name for name in ("stage_layout", "layer_counts", "microbatch_size", "schedule") if getattr(options, name) is not None]
+    pinned = f" The pins {pins} restrict the search: removing them may help." if pins else ""
+    if excess <= 0:
+        return PlanningError(
+            f"the solver found no plan for {ctx.profile.model!r} on {ctx.inventory.name!r} within "
+            f"solver_time_limit_s={options.solver_time_limit_s}; raise the limit.{pinned}"
+        )
+    state_gib = bytes_to_gib(used.state_bytes + used.sharded_bytes)
+    return PlanningError(
+        f"no plan of {ctx.profile.model!r} fits in the memory of cluster {ctx.inventory.name!r}: even with "
+        f"{len(plan.stages)} pipeline stages, microbatch size {m}, optimizer state sharded and recomputation on, "
+        f"GPU rank {rank} ({gpu.gpu_type.name} on machine {gpu.machine!r}, stage {index} with layers "
+        f"[{stage.layers[0]}, {stage.layers[1]})) needs {bytes_to_gib(used.total_bytes):.2f} GiB of its "
+        f"{gpu.memory_gib:.2f} GiB, short by {bytes_to_gib(excess):.2f} GiB (training state alone: {state_gib:.2f} GiB). "
+        f"What would help: more GPUs or GPUs with more memory, a smaller microbatch size "
+        f"(smallest tried: {m}), more sharding of the training state (gradients and parameters are not "
+        f"supported by the engine yet), or a smaller model.{pinned}"
+    )

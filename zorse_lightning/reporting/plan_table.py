@@ -1,0 +1,76 @@
+"""The plan as a terminal table, with the predicted cost of each baseline beside it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+from zorse_lightning.planner.evaluate import CostContext, plan_cost
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.units import bytes_to_gib
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _grouped(values: list[str]) -> str:
+    return ", ".join(f"{count}x {value}" if count > 1 else value for value, count in Counter(values).items())
+
+
+def plan_table(plan: Plan, ctx: CostContext) -> Table:
+    cost = plan_cost(ctx, plan)
+    table = Table(title=f"plan for {plan.model} on {plan.cluster}: {plan.schedule.value}, microbatch {plan.microbatch_size}, "
+                  f"{plan.num_microbatches} microbatches per iteration")
+    for column in ("stage", "ranks", "GPUs", "layers", "microbatches per GPU", "memory GiB used/capacity", "ms per microbatch", "sharding"):
+        table.add_column(column, no_wrap=column in ("GPUs", "ranks"))
+    for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
+        memory = [
+            f"{bytes_to_gib(m.total_bytes):.2f}/{ctx.inventory.gpus[r].memory_gib:g}" for r, m in zip(stage.ranks, stage_cost.memory)
+        ]
+        times = [f"{t.total_ms:.1f}" for t in stage_cost.times]
+        table.add_row(
+            str(index),
+            _ranks(stage.ranks),
+            _grouped(list(stage.gpu_types)),
+            f"{stage.layers[0]}-{stage.layers[1] - 1} ({stage.num_layers})",
+            " ".join(map(str, stage.microbatches_per_rank)),
+            _grouped(memory) if len(set(memory)) < len(memory) else " ".join(memory),
+            _grouped(times) if len(set(times)) < len(times) else " ".join(times),
+            stage.sharding.value + (" +recompute" if stage.recompute else ""),
+        )
+    return table
+
+
+def comparison_table(plan: Plan, baselines: Mapping[str, Plan | None]) -> Table:
+    """Predicted iteration time and throughput of the plan and each baseline (same cost model)."""
+    table = Table(title="predicted, same cost model")
+    for column in ("plan", "iteration ms", "samples/s", "plan is faster by"):
+        table.add_column(column, justify="right" if column != "plan" else "left")
+    ours = plan.predicted
+    table.add_row("zorse plan", f"{ours.iteration_ms:.1f}", f"{ours.samples_per_s:.1f}", "")
+    for name, baseline in baselines.items():
+        if baseline is None or baseline.predicted is None:
+            table.add_row(name, "does not fit", "", "")
+            continue
+        theirs = baseline.predicted
+        table.add_row(name, f"{theirs.iteration_ms:.1f}", f"{theirs.samples_per_s:.1f}", f"{theirs.iteration_ms / ours.iteration_ms:.2f}x")
+    return table
+
+
+def print_plan(plan: Plan, ctx: CostContext, baselines: Mapping[str, Plan | None], console: Console | None = None) -> None:
+    console = console or Console(width=160)
+    console.print(plan_table(plan, ctx))
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    console.print(
+        f"predicted: {plan.predicted.iteration_ms:.1f} ms per iteration, {plan.predicted.samples_per_s:.1f} samples/s; "
+        f"profiles: {', '.join(f'{t}={s}' for t, s in plan.predicted.profile_source.items())}; "
+        f"planned in {plan.planner_seconds:.2f} s ({plan.solver.name}: {plan.solver.status})"
+    )
+    console.print(comparison_table(plan, baselines))
