@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.plan import Plan, StagePlan
 
 
@@ -13,15 +14,16 @@ def hand_plan(
     sharding: Sharding = Sharding.NONE,
     shard_fractions: dict[int, tuple[float, ...]] | None = None,
     recompute: bool = False,
+    inventory: ClusterInventory | None = None,
 ) -> Plan:
-    """A plan from (ranks, microbatches per rank, layer range) per stage."""
+    """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``)."""
     built = []
     for index, (ranks, counts, layers) in enumerate(stages):
         built.append(
             StagePlan(
                 ranks=ranks,
-                gpu_types=("cpu",) * len(ranks),
-                machines=("localhost",) * len(ranks),
+                gpu_types=tuple(inventory.gpus[r].gpu_type.name for r in ranks) if inventory else ("cpu",) * len(ranks),
+                machines=tuple(inventory.gpus[r].machine for r in ranks) if inventory else ("localhost",) * len(ranks),
                 layers=layers,
                 microbatches_per_rank=counts,
                 sharding=sharding,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +212,8 @@ class ComputeEmulator:
 
     @property
     def approximate_backwards(self) -> int:
-        """Backwards of modules with no differentiable input, whose end cannot be observed (see README)."""
+        """Backwards of modules with no differentiable input (embeddings): their end is not observable, so
+        they sleep at their start for the emulated time less the expected real cost."""
         return self._counters.approximate_backwards
 
     @property
@@ -302,7 +303,8 @@ class ComputeEmulator:
                 )
         self._costs = merged
 
-    def _pre_hook(self, index: int):  # noqa: ANN202 - a closure, not a bound method: deepcopy shares it
+    def _pre_hook(self, index: int) -> Callable[..., tuple[tuple, dict]]:
+        # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             samples, signature = batch_size_and_signature(args, kwargs)
             key = f"{index}|{signature}"
@@ -326,7 +328,7 @@ class ComputeEmulator:
 
         return hook
 
-    def _post_hook(self):  # noqa: ANN202 - see _pre_hook
+    def _post_hook(self) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             call = self._counters.in_flight[id(module)].pop()
             if call.saved_tensors is not None:

@@ -60,8 +60,16 @@ class OptimizerShards:
 
     @torch.no_grad()
     def broadcast_updates(self) -> None:
-        """After each owner stepped its shard: every rank of the stage gets the new values."""
+        """After each owner stepped its shard: every rank of the stage gets the new values.
+
+        Gradients of the parameters other ranks own are dropped here: this rank's
+        optimizer does not know them, so its ``zero_grad`` would leave them to
+        accumulate into the next step.
+        """
         for rank, params in self.owned_by.items():
+            if rank != self.groups.rank:
+                for param in params:
+                    param.grad = None
             if not params:
                 continue
             flat = torch.cat([p.detach().reshape(-1) for p in params])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 
 def register_with_lightning() -> None:
-    """Make ``Trainer(strategy="zorse")`` work; safe to call more than once."""
+    """Make ``Trainer(strategy="zorse")`` and ``accelerator="zorse"`` work; safe to call more than once."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from zorse_lightning.glue.accelerator import register_accelerator
+
+    register_accelerator()
     from zorse_lightning.glue.strategy import ZorseStrategy
 
     if "zorse" not in StrategyRegistry:

@@ -1,27 +1,96 @@
 """``ZorseStrategy``: Lightning's view of a zorse plan.
 
-Until the engine lands (issue 4) this strategy knows its cluster and otherwise
-behaves as data parallel; the class and its registered names are the stable
-part that users and configs refer to.
+The strategy owns the step. Lightning calls ``training_step`` once per global
+batch; inside it the engine runs the plan's schedule, calling the user's own
+``training_step`` per microbatch, with backward included. Lightning's
+``backward`` therefore only runs its hooks, and ``optimizer_step`` reduces the
+gradients (weighted by samples, over each weight's stages) before Lightning's
+clipping and the optimizer; clipping uses the global norm over all stages.
+``self.log`` inside microbatches is captured and replayed once per step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
 
-from lightning.pytorch.strategies import DDPStrategy
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups
+from zorse_lightning.glue import checkpointing
+from zorse_lightning.glue.accelerator import resolve_accelerator
+from zorse_lightning.glue.environment import HeterogeneousEnvironment
+from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
+from zorse_lightning.glue.planning import check_plan_against, resolve_plan
+from zorse_lightning.glue.sampler import PlanBatchSampler, SamplerState, plan_dataloader
+from zorse_lightning.glue.stage_emulation import StageEmulation
+from zorse_lightning.planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class ZorseStrategy(DDPStrategy):
+class ZorseStrategy(ParallelStrategy):
     strategy_name = "zorse"
 
-    def __init__(self, cluster: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        cluster: Any = None,
+        plan: Plan | str | Path | None = None,
+        planner_options: Any = None,
+        block_path: str | None = None,
+        seed: int = 0,
+        emulate: bool | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: StartMethod = "popen",
+        schedule: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
+        start); ``block_path``: attribute path of the block list (else found); ``seed``: of the sampler's
+        shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated)."""
+        if cluster is None and "environment" in kwargs:
+            kwargs["cluster_environment"] = kwargs.pop("environment")
+        if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
+            kwargs["cluster_environment"] = HeterogeneousEnvironment()
         super().__init__(**kwargs)
         self._cluster_source = cluster
         self._inventory: ClusterInventory | None = None
+        self._plan_source = plan
+        self._plan: Plan | None = None
+        self._planner_options = planner_options
+        self._schedule_override = schedule
+        self.block_path = block_path
+        self.seed = seed
+        self._emulate = emulate
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._engine: PipelineEngine | None = None
+        self._emulation: StageEmulation | None = None
+        self._pending_optimizer_states: list[dict[str, Any]] = []
+        self._samplers: list[PlanBatchSampler] = []
+        self._samples_done = 0
+        self._clip_patched = False
+
+    # -- what the user can inspect ---------------------------------------------------------
 
     @property
     def inventory(self) -> ClusterInventory | None:
@@ -30,8 +99,295 @@ class ZorseStrategy(DDPStrategy):
             self._inventory = load_cluster(self._cluster_source)
         return self._inventory
 
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            raise RuntimeError(
+                "ZorseStrategy.plan exists once the Trainer has set up the strategy (inside fit/validate/"
+                "test/predict); pass plan=... to fix it in advance"
+            )
+        return self._plan
+
+    @property
+    def engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise RuntimeError("the zorse engine is built at setup, once the plan is known")
+        return self._engine
+
+    # -- processes, devices, accelerator ---------------------------------------------------
+
+    @property
+    @override
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        # Lightning hands its accelerator choice to the strategy here: keep its device kind, add the cluster.
+        self._accelerator = None if value is None else resolve_accelerator(None, value, self.inventory)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
+        environment = self.cluster_environment
+        if environment is not None and not environment.creates_processes_externally:
+            if self.num_nodes > 1:
+                raise ValueError(
+                    f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "
+                    f"process its global rank (machines may run different numbers of processes)"
+                )
+            environment.set_global_rank(self.local_rank)
+            environment.set_world_size(self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        _init_dist_connection(self.cluster_environment, backend_for(self.root_device), timeout=self._timeout)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._patch_clipping()
+        if self._engine is None:
+            broadcast_module(self.lightning_module)
+            if self._plan_source is not None:
+                self._set_plan(resolve_plan(self._plan_source, self.inventory, self.world_size))
+
+    def _set_plan(self, plan: Plan) -> None:
+        if self.inventory is not None:
+            check_plan_against(plan, self.inventory)
+        if self._schedule_override is not None:
+            plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
+        self._plan = plan
+        groups = build_groups(plan, self.global_rank, self._timeout)
+        self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # -- data ------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        if self._plan is None:
+            from zorse_lightning.glue.planning import plan_at_start
+
+            self._set_plan(plan_at_start(self, dataloader))
+        loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
+        self._samplers.append(loader.batch_sampler)
+        return loader
+
+    # -- the step --------------------------------------------------------------------------
+
+    def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
+        method = getattr(self.lightning_module, hook)
+        return lambda micro, j: method(micro, batch_idx, *rest)
+
+    def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
+        silent = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, silent):
+            self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        for optimizer in self.optimizers:
+            self.engine.setup_optimizer(optimizer)
+        for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
+            checkpointing.load_optimizer_state(optimizer, self.lightning_module, state)
+        self._pending_optimizer_states = []
+        if self._emulation_enabled():
+            self._emulation = StageEmulation.start(self, self.engine)
+
+    def _emulation_enabled(self) -> bool:
+        emulate = self._emulate if self._emulate is not None else bool(self.inventory and self.inventory.emulated)
+        return emulate and self.root_device.type == "cpu" and self.inventory is not None
+
+    def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
+        capture = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, capture):
+            result = run(self._microbatch_step(hook, batch_idx, *rest))
+        replay(self.lightning_module, capture.merged_over_ranks(), self.plan.global_batch_size)
+        return result
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
+        if not self.engine.prepared:
+            self._prepare_engine(batch, batch_idx)
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            loss = self._captured(lambda step: self.engine.run(batch, step, scale), "training_step", batch_idx, *rest)
+        if self._emulation is not None:
+            self._emulation.after_step()
+        self._samples_done += self.plan.global_batch_size
+        return loss
+
+    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        if not self.engine.prepared:
+            self._prepare_engine_for_evaluation(batch, batch_idx, hook)
+        with self.precision_plugin.val_step_context():
+            outputs = self._captured(lambda step: self.engine.evaluate(batch, step), hook, batch_idx, *rest)
+        return [outputs[j] for j in sorted(outputs)] if outputs else None
+
+    def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
+        silent = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, silent), torch.enable_grad():
+            self.engine.prepare(batch, self._microbatch_step(hook, batch_idx))
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("validation_step", batch, batch_idx, *rest)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("test_step", batch, batch_idx, *rest)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        outputs = self._evaluation_step("predict_step", batch, batch_idx, *rest)
+        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+            return torch.cat(outputs)
+        return outputs
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran backward; only Lightning's hooks run here."""
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self.engine.reduce_gradients()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        self.engine.after_optimizer_step()
+        return output
+
+    def _patch_clipping(self) -> None:
+        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage."""
+        if self._clip_patched:
+            return
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
+        self._clip_patched = True
+
+    # -- collectives Lightning asks for ----------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is None or not self._engine.prepared:
+            return super().lightning_module_state_dict()
+        return checkpointing.gather_module_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._engine is None or not self._engine.prepared:
+            return super().optimizer_state(optimizer)
+        return checkpointing.gather_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if states and checkpointing.NAMED_STATE_KEY in states[0]:
+            self._pending_optimizer_states = list(states)  # applied once the optimizers are restricted
+        else:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._plan is not None:
+            state = self._samplers[0].state(self._samples_done) if self._samplers else None
+            checkpoint["zorse"] = {"plan": self._plan.to_dict(), "sampler": asdict(state) if state else None}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path)
+        sampler = (checkpoint.get("zorse") or {}).get("sampler")
+        if sampler:
+            self._samples_done = sampler["samples_done"]
+            self._restored_sampler = SamplerState(**sampler)
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
+        if self._emulation is not None:
+            self._emulation.stop()
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="zorse: plans and trains on mixed GPU types"
+        )
+        strategy_registry.register(
+            "zorse_gpipe", cls, description="zorse with the GPipe schedule", schedule="gpipe"
+        )
+        strategy_registry.register(
+            "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )

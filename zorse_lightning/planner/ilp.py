@@ -97,34 +97,43 @@ def _cbc(pulp, time_limit_s: float):
 
 
 def _layer_options(problem: AssignmentProblem, stage: int) -> list[int]:
-    """Layer counts the stage may take: each stage needs one layer, and a pin fixes it."""
+    """Layer counts the stage may take: at least one layer each (or the pin), and only
+    counts whose training state fits every GPU of the stage without activations."""
+    spec = problem.stages[stage]
     if problem.layer_counts is not None:
-        return [problem.layer_counts[stage]]
-    return list(range(1, problem.num_layers - len(problem.stages) + 2))
+        options = [problem.layer_counts[stage]]
+    else:
+        options = list(range(1, problem.num_layers - len(problem.stages) + 2))
+    return [k for k in options if all(g.fixed_bytes[k - 1] <= g.capacity_bytes for g in spec.groups)]
 
 
 def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignment | None:
-    """Optimal layers per stage and microbatches per group, or None when nothing fits."""
+    """Optimal layers per stage and microbatches per group, or None when nothing fits.
+
+    Products of a layer-count choice and a microbatch count are disaggregated (one
+    copy of the variable per layer count, zero unless that count is chosen), which
+    keeps the linear relaxation tight and CBC fast.
+    """
     pulp = _pulp()
     num_m = problem.num_microbatches
+    options = [_layer_options(problem, s) for s in range(len(problem.stages))]
+    if any(not o for o in options):
+        return None
     prob = pulp.LpProblem("zorse_assignment", pulp.LpMinimize)
-    max_latency = max(max(s.latency_ms) for s in problem.stages)
 
-    # 1. Variables: layer count per stage (one-hot), microbatches per group (total N,
-    #    busiest GPU q, in flight f), the bottleneck term D and the exposed sync E.
-    use = {
-        (s, k): prob.add_variable(f"use_{s}_{k}", cat="Binary")
-        for s in range(len(problem.stages))
-        for k in _layer_options(problem, s)
-    }
-    total = {}
-    busiest = {}
-    in_flight = {}
+    # 1. Variables: one-hot layer count per stage; per group the microbatches it shares
+    #    (n), its busiest GPU's count (q) and in-flight count (f), with their copies per
+    #    layer count (wq, wf); the bottleneck excess D and the exposed synchronisation E.
+    use, total, busiest, in_flight, copies = {}, {}, {}, {}, {}
     for s, stage in enumerate(problem.stages):
-        for g, group in enumerate(stage.groups):
+        for k in options[s]:
+            use[s, k] = prob.add_variable(f"use_{s}_{k}", cat="Binary")
+        for g in range(len(stage.groups)):
             total[s, g] = prob.add_variable(f"n_{s}_{g}", 0, num_m, cat="Integer")
             busiest[s, g] = prob.add_variable(f"q_{s}_{g}", 0, num_m, cat="Integer")
             in_flight[s, g] = prob.add_variable(f"f_{s}_{g}", 0, num_m)
+            for k in options[s]:
+                copies[s, g, k] = (prob.add_variable(f"wq_{s}_{g}_{k}", 0, num_m), prob.add_variable(f"wf_{s}_{g}_{k}", 0, num_m))
     bottleneck = prob.add_variable("bottleneck_ms", None, None)
     exposed_sync = prob.add_variable("sync_ms", 0, None)
 
@@ -139,45 +148,44 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
     # 3. Constraints.
     # 3.1 one layer count per stage; the counts cover the model.
     for s in range(len(problem.stages)):
-        prob += pulp.lpSum(var for (t, _), var in use.items() if t == s) == 1
+        prob += pulp.lpSum(use[s, k] for k in options[s]) == 1
     prob += pulp.lpSum(k * var for (_, k), var in use.items()) == problem.num_layers
     for s, stage in enumerate(problem.stages):
-        # 3.2 every microbatch passes every stage; a group's busiest GPU takes ceil(N / c).
+        # 3.2 every microbatch passes every stage; a group's busiest GPU takes ceil(n / c).
         prob += pulp.lpSum(total[s, g] for g in range(len(stage.groups))) == num_m
         for g, group in enumerate(stage.groups):
             prob += total[s, g] <= group.count * busiest[s, g]
             _in_flight_constraints(pulp, prob, stage.max_in_flight, busiest[s, g], in_flight[s, g], num_m, f"{s}_{g}")
-        for k in _layer_options(problem, s):
-            chosen = use[s, k]
-            for g, group in enumerate(stage.groups):
-                # 3.3 bottleneck: every group's work beyond the stage latency.
-                time = group.microbatch_ms[k - 1]
-                prob += bottleneck >= busiest[s, g] * time - stage.latency_ms[k - 1] - (num_m * time + max_latency) * (1 - chosen)
+            # 3.3 the copies carry q and f under the chosen layer count only.
+            prob += pulp.lpSum(copies[s, g, k][0] for k in options[s]) == busiest[s, g]
+            prob += pulp.lpSum(copies[s, g, k][1] for k in options[s]) == in_flight[s, g]
+            for k in options[s]:
+                prob += copies[s, g, k][0] <= num_m * use[s, k]
+                prob += copies[s, g, k][1] <= num_m * use[s, k]
                 # 3.4 memory of each GPU against its own capacity.
-                fixed, act = group.fixed_bytes[k - 1], group.activation_bytes[k - 1]
-                slack = max(0.0, fixed + act * num_m - group.capacity_bytes)
-                prob += fixed + act * in_flight[s, g] <= group.capacity_bytes + slack * (1 - chosen)
-            # 3.5 sharded state fits the stage's free memory (uneven shards).
+                prob += (group.capacity_bytes - group.fixed_bytes[k - 1]) * use[s, k] >= group.activation_bytes[k - 1] * copies[s, g, k][1]
+            # 3.5 bottleneck: the group's work beyond the stage latency.
+            prob += bottleneck >= pulp.lpSum(
+                group.microbatch_ms[k - 1] * copies[s, g, k][0] - stage.latency_ms[k - 1] * use[s, k] for k in options[s]
+            )
+        # 3.6 sharded state fits the stage's total free memory (uneven shards).
+        for k in options[s]:
             sharded = stage.sharded_bytes[k - 1]
             if sharded > 0:
-                free = [
-                    (grp.count, grp.capacity_bytes - grp.fixed_bytes[k - 1], grp.activation_bytes[k - 1]) for grp in stage.groups
-                ]
-                worst = sharded + sum(c * (max(0.0, -cap) + act * num_m) for c, cap, act in free)
-                prob += pulp.lpSum(c * (cap - act * in_flight[s, g]) for g, (c, cap, act) in enumerate(free)) >= sharded - worst * (
-                    1 - chosen
+                free = sum(grp.count * (grp.capacity_bytes - grp.fixed_bytes[k - 1]) for grp in stage.groups)
+                used = pulp.lpSum(
+                    grp.count * grp.activation_bytes[k - 1] * copies[s, g, k][1] for g, grp in enumerate(stage.groups)
                 )
-            # 3.6 synchronisation after the last backward.
-            prob += exposed_sync >= stage.sync_ms[k - 1] * chosen
+                prob += (free - sharded) * use[s, k] >= used
+        # 3.7 synchronisation after the last backward.
+        prob += exposed_sync >= pulp.lpSum(stage.sync_ms[k - 1] * use[s, k] for k in options[s])
 
     prob.solve(_cbc(pulp, time_limit_s))
     status = pulp.LpStatus[prob.status]
     found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not found or status != "Optimal":
         return None
-    counts = tuple(
-        next(k for k in _layer_options(problem, s) if use[s, k].value() > 0.5) for s in range(len(problem.stages))
-    )
+    counts = tuple(next(k for k in options[s] if use[s, k].value() > 0.5) for s in range(len(problem.stages)))
     microbatches = tuple(
         tuple(int(round(total[s, g].value())) for g in range(len(stage.groups))) for s, stage in enumerate(problem.stages)
     )

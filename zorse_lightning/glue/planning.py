@@ -1,0 +1,175 @@
+"""Where the strategy's plan comes from: a given plan checked against the cluster, or one made at start.
+
+Planning at start: each distinct GPU type's first rank times the model's
+blocks on its own device (an emulated rank through its emulation, so it is
+never told its speed factor), the measurements are gathered, and rank 0 runs
+the planner; every rank receives rank 0's plan. A module that cannot be cut
+gets a data-parallel plan, and the plan's notes say why.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
+from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.planner.plan import Plan, StagePlan
+
+PROFILE_OPTIONS = dict(max_microbatch_size=2, warmup=1, repeats=3)
+"""Short: profiling runs at every start; the planner needs the slope per sample more than precision."""
+
+
+def resolve_plan(source: Plan | str | Path, inventory: ClusterInventory | None, world_size: int) -> Plan:
+    plan = source if isinstance(source, Plan) else Plan.load(source)
+    if plan.world_size != world_size:
+        raise PlanningError(
+            f"the plan is for {plan.world_size} ranks but {world_size} processes run; launch "
+            f"{plan.world_size} (Trainer(devices=...)) or re-plan for this cluster"
+        )
+    return plan
+
+
+def check_plan_against(plan: Plan, inventory: ClusterInventory) -> None:
+    """The plan's ranks must have the GPU types the cluster lists at those ranks."""
+    if plan.world_size != inventory.world_size:
+        raise PlanningError(
+            f"the plan is for {plan.world_size} ranks but cluster {inventory.name!r} has {inventory.world_size}; "
+            f"re-plan for this cluster"
+        )
+    for index, stage in enumerate(plan.stages):
+        for rank, gpu_type in zip(stage.ranks, stage.gpu_types):
+            actual = inventory.gpus[rank].gpu_type.name
+            if gpu_type != actual:
+                raise PlanningError(
+                    f"stage {index} of the plan puts a {gpu_type} at rank {rank}, but cluster {inventory.name!r} "
+                    f"has a {actual} there; the plan was made for another cluster: re-plan for this one"
+                )
+
+
+def _first_block_input(strategy: Any, blocks: BlockList, batch: Any) -> torch.Tensor:
+    """What the first block receives for one sample of ``batch`` (the profile's example input)."""
+    captured: list[torch.Tensor] = []
+
+    class _Seen(Exception):
+        pass
+
+    def hook(module, args):
+        captured.append(args[0].detach())
+        raise _Seen
+
+    from zorse_lightning.engine.microbatch import microbatch_slice
+
+    handle = blocks.blocks[0].register_forward_pre_hook(hook)
+    try:
+        with capturing_logs(strategy.lightning_module, LogCapture(1)), torch.no_grad():
+            strategy.lightning_module.training_step(microbatch_slice(batch, 0, 1), 0)
+    except _Seen:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise PlanningError("the training step did not run the block list; name it with ZorseStrategy(block_path=...)")
+    return captured[0]
+
+
+def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, inventory: ClusterInventory):
+    from zorse_lightning.profiling.measure import MeasureOptions, measure_blocks
+
+    rank = strategy.global_rank
+    my_type = inventory.gpus[rank].gpu_type.name
+    if next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) != rank:
+        return None
+    measured_blocks = copy.deepcopy(blocks.blocks)
+    emulator = None
+    if inventory.emulated and strategy.root_device.type == "cpu":
+        emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank)
+        emulator.instrument(measured_blocks)
+    try:
+        return measure_blocks(
+            measured_blocks, example, device=strategy.root_device, gpu_type=my_type,
+            options=MeasureOptions(**PROFILE_OPTIONS), cache_dir=None,
+        )
+    finally:
+        if emulator is not None:
+            emulator.remove()
+
+
+def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
+    """Profile, plan on rank 0, broadcast (collective: every rank calls it)."""
+    inventory = strategy.inventory
+    if inventory is None:
+        raise PlanningError("ZorseStrategy needs a cluster (cluster='cpu_sim4', a config path or an inventory) or a plan")
+    if loader.batch_size is None:
+        raise PlanningError("the training DataLoader has no batch_size; give one, or pass a plan")
+    global_batch_size = loader.batch_size * strategy.world_size
+    from zorse_lightning.planner.search import PlannerOptions, make_plan
+    from zorse_lightning.profiling.measure import assemble_profile
+
+    options = strategy._planner_options or PlannerOptions()
+    try:
+        blocks = find_block_list(strategy.lightning_module, strategy.block_path)
+    except CutError as error:
+        blocks, options = None, _without_pipeline(options, str(error))
+    if blocks is None:
+        return data_parallel_plan(inventory, global_batch_size, options.no_pipeline_reason)
+    example = _first_block_input(strategy, blocks, next(iter(loader)))
+    measured = [None] * strategy.world_size
+    dist.all_gather_object(measured, _measure_my_type(strategy, blocks, example, inventory))
+    plan = None
+    if strategy.global_rank == 0:
+        profile = assemble_profile([m for m in measured if m is not None], model=type(strategy.lightning_module).__name__)
+        plan = make_plan(inventory, profile, global_batch_size, options)
+    return strategy.broadcast(plan)
+
+
+def _largest_remainder(total: int, weights: list[float]) -> list[int]:
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def data_parallel_plan(inventory: ClusterInventory, global_batch_size: int, reason: str) -> Plan:
+    """One stage of every rank (Cephalo-style): microbatches by peak speed, optimizer state by memory.
+
+    For modules that cannot be cut; no profile is needed, since one stage has no
+    layer split to balance. Microbatches are as large as leaves each rank about
+    four of them, so the speed split can be fine-grained.
+    """
+    world = inventory.world_size
+    microbatch_size = max(d for d in range(1, global_batch_size + 1)
+                          if global_batch_size % d == 0 and global_batch_size // d >= min(4 * world, global_batch_size))
+    counts = _largest_remainder(global_batch_size // microbatch_size, [g.gpu_type.peak_tflops for g in inventory.gpus])
+    memory = [g.memory_gib for g in inventory.gpus]
+    stage = StagePlan(
+        ranks=tuple(range(world)),
+        gpu_types=tuple(g.gpu_type.name for g in inventory.gpus),
+        machines=tuple(g.machine for g in inventory.gpus),
+        layers=(0, 1),
+        microbatches_per_rank=tuple(counts),
+        sharding=Sharding.OPTIMIZER if world > 1 else Sharding.NONE,
+        shard_fractions=tuple(m / sum(memory) for m in memory) if world > 1 else (),
+    )
+    return Plan(
+        model="", cluster=inventory.name, num_layers=1, world_size=world, global_batch_size=global_batch_size,
+        microbatch_size=microbatch_size, schedule=Schedule.ONE_F_ONE_B, stages=(stage,),
+        notes=(f"data parallel only: {reason}",),
+    )
+
+
+def _without_pipeline(options: Any, reason: str) -> Any:
+    from dataclasses import replace
+
+    return replace(options, allow_pipeline=False, no_pipeline_reason=reason)
