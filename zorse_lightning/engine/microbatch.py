@@ -5,18 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
-
-
-def batch_size_of(batch: Any) -> int:
-    """Leading size of the batch's tensors (they must agree)."""
-    sizes = {leaf.shape[0] for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"cannot split a batch whose tensors have leading sizes {sorted(sizes)}; every tensor of a batch "
-            f"must have the samples along its first dimension"
-        )
-    return sizes.pop()
+from torch.utils._pytree import tree_map
 
 
 def microbatch_slice(batch: Any, position: int, microbatch_size: int) -> Any:

@@ -11,7 +11,6 @@ clipping and the optimizer; clipping uses the global norm over all stages.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -41,8 +40,6 @@ from zorse_lightning.glue.planning import check_plan_against, resolve_plan
 from zorse_lightning.glue.sampler import PlanBatchSampler, SamplerState, plan_dataloader
 from zorse_lightning.glue.stage_emulation import StageEmulation
 from zorse_lightning.planner.plan import Plan
-
-log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -88,7 +85,9 @@ class ZorseStrategy(ParallelStrategy):
         self._pending_optimizer_states: list[dict[str, Any]] = []
         self._samplers: list[PlanBatchSampler] = []
         self._samples_done = 0
+        self._restored_sampler: SamplerState | None = None
         self._clip_patched = False
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
 
     # -- what the user can inspect ---------------------------------------------------------
 
@@ -212,6 +211,8 @@ class ZorseStrategy(ParallelStrategy):
 
             self._set_plan(plan_at_start(self, dataloader))
         loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
+        if self._restored_sampler is not None and not self._samplers:
+            loader.batch_sampler.restore(self._restored_sampler)
         self._samplers.append(loader.batch_sampler)
         return loader
 
@@ -249,12 +250,31 @@ class ZorseStrategy(ParallelStrategy):
         if not self.engine.prepared:
             self._prepare_engine(batch, batch_idx)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        earlier = self._set_gradients_aside()
         with self.precision_plugin.train_step_context():
             loss = self._captured(lambda step: self.engine.run(batch, step, scale), "training_step", batch_idx, *rest)
         if self._emulation is not None:
             self._emulation.after_step()
-        self._samples_done += self.plan.global_batch_size
+        self._samples_done = (batch_idx + 1) * self.plan.global_batch_size
+        self._stashed = self._set_gradients_aside()
+        for param, grad in earlier:
+            param.grad = grad
         return loss
+
+    def _set_gradients_aside(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """Lightning zeroes gradients (at an accumulation window's start) between ``training_step`` and
+        ``backward``, so the schedule runs on empty gradients and its own wait aside until ``backward``."""
+        aside = []
+        for param in self.engine.local_parameters():
+            aside.append((param, param.grad))
+            param.grad = None
+        return aside
+
+    def _restore_gradients(self) -> None:
+        for param, grad in self._stashed:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._stashed = []
 
     def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
         if not self.engine.prepared:
@@ -285,8 +305,9 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The schedule already ran backward; only Lightning's hooks run here."""
+        """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._restore_gradients()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override

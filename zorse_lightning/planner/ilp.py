@@ -21,11 +21,13 @@ the stage's total free memory: ``sum_g c_g (capacity - fixed - activation * f_g)
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import SolverRecord
+from zorse_lightning.units import bytes_to_gib
 
 SOLVER_NAME = "pulp-cbc"
 
@@ -93,26 +95,63 @@ def _cbc(pulp, time_limit_s: float):
     not installed here, so keep the bundled binary and silence that notice)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, options=["ratioGap", "0.005"])
 
 
-def _layer_options(problem: AssignmentProblem, stage: int) -> list[int]:
-    """Layer counts the stage may take: at least one layer each (or the pin), and only
-    counts whose training state fits every GPU of the stage without activations."""
+def group_limit(stage: StageCosts, group: int, k: int, num_m: int) -> int | None:
+    """Most microbatches the group's busiest GPU may take with ``k`` layers, or None when
+    its training state alone does not fit.
+
+    GPipe holds every microbatch in flight (``q <= room``); 1F1B holds ``min(q, F)``,
+    which caps ``q`` only when even ``F`` in flight do not fit.
+    """
+    spec = stage.groups[group]
+    most = math.ceil(num_m / spec.count)
+    free = spec.capacity_bytes - spec.fixed_bytes[k - 1]
+    if free < 0:
+        return None
+    act = spec.activation_bytes[k - 1]
+    room = most if act <= 0 else min(most, math.floor(free / act))
+    if stage.max_in_flight is not None and room >= min(stage.max_in_flight, most):
+        return most
+    return room
+
+
+def _fits_sharded(stage: StageCosts, k: int, limits: list[int]) -> bool:
+    """1F1B: the sharded state must fit the stage's free memory with every group holding
+    its most microbatches in flight (a constant, so the count is filtered up front)."""
+    sharded = stage.sharded_bytes[k - 1]
+    if sharded <= 0 or stage.max_in_flight is None:
+        return True
+    held = sum(
+        g.count * (g.fixed_bytes[k - 1] + g.activation_bytes[k - 1] * min(stage.max_in_flight, limit) - g.capacity_bytes)
+        for g, limit in zip(stage.groups, limits)
+    )
+    return -held >= sharded
+
+
+def _layer_options(problem: AssignmentProblem, stage: int) -> dict[int, list[int]]:
+    """Layer counts the stage may take (at least one layer each, or the pin) that fit,
+    with each group's microbatch limit."""
     spec = problem.stages[stage]
     if problem.layer_counts is not None:
-        options = [problem.layer_counts[stage]]
+        counts = [problem.layer_counts[stage]]
     else:
-        options = list(range(1, problem.num_layers - len(problem.stages) + 2))
-    return [k for k in options if all(g.fixed_bytes[k - 1] <= g.capacity_bytes for g in spec.groups)]
+        counts = list(range(1, problem.num_layers - len(problem.stages) + 2))
+    options = {}
+    for k in counts:
+        limits = [group_limit(spec, g, k, problem.num_microbatches) for g in range(len(spec.groups))]
+        if None not in limits and _fits_sharded(spec, k, limits):
+            options[k] = limits
+    return options
 
 
 def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignment | None:
     """Optimal layers per stage and microbatches per group, or None when nothing fits.
 
-    Products of a layer-count choice and a microbatch count are disaggregated (one
-    copy of the variable per layer count, zero unless that count is chosen), which
-    keeps the linear relaxation tight and CBC fast.
+    The product of a layer-count choice and a microbatch count is disaggregated: one
+    copy of the busiest count per layer count, bounded by that count's memory limit
+    and zero unless it is chosen. This keeps the linear relaxation tight.
     """
     pulp = _pulp()
     num_m = problem.num_microbatches
@@ -122,18 +161,19 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
     prob = pulp.LpProblem("zorse_assignment", pulp.LpMinimize)
 
     # 1. Variables: one-hot layer count per stage; per group the microbatches it shares
-    #    (n), its busiest GPU's count (q) and in-flight count (f), with their copies per
-    #    layer count (wq, wf); the bottleneck excess D and the exposed synchronisation E.
-    use, total, busiest, in_flight, copies = {}, {}, {}, {}, {}
+    #    (n), its busiest GPU's count (q), and copies of both per layer count (m, w);
+    #    the bottleneck excess D and the exposed synchronisation E.
+    use, total, busiest, copies, shares = {}, {}, {}, {}, {}
     for s, stage in enumerate(problem.stages):
         for k in options[s]:
             use[s, k] = prob.add_variable(f"use_{s}_{k}", cat="Binary")
-        for g in range(len(stage.groups)):
+        for g, group in enumerate(stage.groups):
+            most = math.ceil(num_m / group.count)
             total[s, g] = prob.add_variable(f"n_{s}_{g}", 0, num_m, cat="Integer")
-            busiest[s, g] = prob.add_variable(f"q_{s}_{g}", 0, num_m, cat="Integer")
-            in_flight[s, g] = prob.add_variable(f"f_{s}_{g}", 0, num_m)
-            for k in options[s]:
-                copies[s, g, k] = (prob.add_variable(f"wq_{s}_{g}_{k}", 0, num_m), prob.add_variable(f"wf_{s}_{g}_{k}", 0, num_m))
+            busiest[s, g] = prob.add_variable(f"q_{s}_{g}", 0, most, cat="Integer")
+            for k, limits in options[s].items():
+                copies[s, g, k] = prob.add_variable(f"w_{s}_{g}_{k}", 0, limits[g])
+                shares[s, g, k] = prob.add_variable(f"m_{s}_{g}_{k}", 0, num_m)
     bottleneck = prob.add_variable("bottleneck_ms", None, None)
     exposed_sync = prob.add_variable("sync_ms", 0, None)
 
@@ -152,32 +192,33 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
     prob += pulp.lpSum(k * var for (_, k), var in use.items()) == problem.num_layers
     for s, stage in enumerate(problem.stages):
         # 3.2 every microbatch passes every stage; a group's busiest GPU takes ceil(n / c).
+        #     The same holds for each layer count's copies, scaled by its choice variable.
         prob += pulp.lpSum(total[s, g] for g in range(len(stage.groups))) == num_m
+        for k in options[s]:
+            prob += pulp.lpSum(shares[s, g, k] for g in range(len(stage.groups))) == num_m * use[s, k]
         for g, group in enumerate(stage.groups):
             prob += total[s, g] <= group.count * busiest[s, g]
-            _in_flight_constraints(pulp, prob, stage.max_in_flight, busiest[s, g], in_flight[s, g], num_m, f"{s}_{g}")
-            # 3.3 the copies carry q and f under the chosen layer count only.
-            prob += pulp.lpSum(copies[s, g, k][0] for k in options[s]) == busiest[s, g]
-            prob += pulp.lpSum(copies[s, g, k][1] for k in options[s]) == in_flight[s, g]
-            for k in options[s]:
-                prob += copies[s, g, k][0] <= num_m * use[s, k]
-                prob += copies[s, g, k][1] <= num_m * use[s, k]
-                # 3.4 memory of each GPU against its own capacity.
-                prob += (group.capacity_bytes - group.fixed_bytes[k - 1]) * use[s, k] >= group.activation_bytes[k - 1] * copies[s, g, k][1]
-            # 3.5 bottleneck: the group's work beyond the stage latency.
+            # 3.3 copies: only the chosen count's are non-zero; q's within its memory limit.
+            prob += pulp.lpSum(copies[s, g, k] for k in options[s]) == busiest[s, g]
+            prob += pulp.lpSum(shares[s, g, k] for k in options[s]) == total[s, g]
+            for k, limits in options[s].items():
+                prob += copies[s, g, k] <= limits[g] * use[s, k]
+                prob += shares[s, g, k] <= group.count * copies[s, g, k]
+            # 3.4 bottleneck: the group's work beyond the stage latency.
             prob += bottleneck >= pulp.lpSum(
-                group.microbatch_ms[k - 1] * copies[s, g, k][0] - stage.latency_ms[k - 1] * use[s, k] for k in options[s]
+                group.microbatch_ms[k - 1] * copies[s, g, k] - stage.latency_ms[k - 1] * use[s, k] for k in options[s]
             )
-        # 3.6 sharded state fits the stage's total free memory (uneven shards).
-        for k in options[s]:
-            sharded = stage.sharded_bytes[k - 1]
-            if sharded > 0:
-                free = sum(grp.count * (grp.capacity_bytes - grp.fixed_bytes[k - 1]) for grp in stage.groups)
-                used = pulp.lpSum(
-                    grp.count * grp.activation_bytes[k - 1] * copies[s, g, k][1] for g, grp in enumerate(stage.groups)
-                )
-                prob += (free - sharded) * use[s, k] >= used
-        # 3.7 synchronisation after the last backward.
+        # 3.5 GPipe: sharded state fits the stage's free memory (uneven shards).
+        if stage.max_in_flight is None:
+            for k in options[s]:
+                sharded = stage.sharded_bytes[k - 1]
+                if sharded > 0:
+                    free = sum(grp.count * (grp.capacity_bytes - grp.fixed_bytes[k - 1]) for grp in stage.groups)
+                    used = pulp.lpSum(
+                        _gib(grp.count * grp.activation_bytes[k - 1]) * copies[s, g, k] for g, grp in enumerate(stage.groups)
+                    )
+                    prob += _gib(free - sharded) * use[s, k] >= used
+        # 3.6 synchronisation after the last backward.
         prob += exposed_sync >= pulp.lpSum(stage.sync_ms[k - 1] * use[s, k] for k in options[s])
 
     prob.solve(_cbc(pulp, time_limit_s))
@@ -194,11 +235,6 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
     return Assignment(counts, microbatches, objective, SolverRecord(SOLVER_NAME, quality, objective))
 
 
-def _in_flight_constraints(pulp, prob, limit: int | None, busiest, in_flight, num_m: int, tag: str) -> None:
-    """``f >= min(q, limit)``: a binary picks which side of the min is active."""
-    if limit is None:
-        prob += in_flight >= busiest
-        return
-    above = prob.add_variable(f"above_{tag}", cat="Binary")
-    prob += in_flight >= busiest - num_m * above
-    prob += in_flight >= limit * above
+def _gib(num_bytes: float) -> float:
+    """Memory rows in GiB: coefficients near 1e10 next to milliseconds slow CBC down."""
+    return bytes_to_gib(num_bytes)

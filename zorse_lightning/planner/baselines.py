@@ -1,0 +1,140 @@
+"""Baselines in the same cost model, printed beside every plan.
+
+* ``data_parallel_equal``: what ``Trainer(strategy="ddp")`` does: every GPU the same
+  batch, one stage, no accumulation, no sharding;
+* ``fastest_type_alone``: the planner on the GPUs of the fastest type only (the
+  plan's ranks are those of a sub-cluster; its notes name the GPUs);
+* ``proportional_heuristic``: the Zorse paper's public code: one stage per machine,
+  layers and microbatches in proportion to speed, rounded, state ZeRO-sharded;
+* ``cephalo``: data parallel only, batches by speed, optimizer state sharded by
+  free memory (Cephalo).
+
+Each returns a priced :class:`Plan`, or None when it does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan
+from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.search import PlannerOptions, make_plan, speed_by_type
+from zorse_lightning.profiling.profile import ModelProfile
+
+def _best(plans) -> Plan | None:
+    fitting = [p for p in plans if p is not None]
+    return min(fitting, key=lambda p: p.predicted.iteration_ms, default=None)
+
+
+def _sizes(global_batch_size: int, options: PlannerOptions) -> list[int]:
+    return [m for m in options.microbatch_sizes if global_batch_size % m == 0]
+
+
+def data_parallel_equal(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> Plan | None:
+    """One stage, the same batch on every GPU in one microbatch (no accumulation, no sharding)."""
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    world = inventory.world_size
+    if global_batch_size % world:
+        return None
+    per_gpu = global_batch_size // world
+    stage = StagePlan(
+        ranks=tuple(range(world)),
+        gpu_types=tuple(g.gpu_type.name for g in inventory.gpus),
+        machines=tuple(g.machine for g in inventory.gpus),
+        layers=(0, profile.num_layers),
+        microbatches_per_rank=(1,) * world,
+    )
+    plan = Plan(profile.model, inventory.name, profile.num_layers, world, global_batch_size, per_gpu,
+                Schedule.ONE_F_ONE_B, (stage,), solver=HEURISTIC, notes=("baseline: data parallel, equal batches",))
+    return priced(ctx, plan)
+
+
+def cephalo(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> Plan | None:
+    """One stage, microbatches by speed (accumulated), optimizer state sharded by free memory."""
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    layout = (tuple(range(inventory.world_size)),)
+    plans = [
+        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute))
+        for m in _sizes(global_batch_size, options)
+        for recompute in (False, True)
+    ]
+    best = _best(plans)
+    return best and replace(best, notes=("baseline: Cephalo (data parallel, batches by speed, state sharded by memory)",))
+
+
+def proportional_heuristic(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> Plan | None:
+    """One stage per machine, fastest machines first; layers and microbatches by speed."""
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    speeds = speed_by_type(profile, inventory)
+    machines = {}
+    for rank, gpu in enumerate(inventory.gpus):
+        machines.setdefault(gpu.machine, []).append(rank)
+    groups = sorted(machines.values(), key=lambda ranks: -sum(speeds[inventory.gpus[r].gpu_type.name] for r in ranks) / len(ranks))
+    if len(groups) > profile.num_layers:
+        return None
+    layout = tuple(tuple(g) for g in groups)
+    plans = [
+        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute, speeds=speeds))
+        for m in _sizes(global_batch_size, options)
+        for recompute in (False, True)
+    ]
+    best = _best(plans)
+    return best and replace(best, notes=("baseline: proportional heuristic (Zorse public code), one stage per machine",))
+
+
+def fastest_type_alone(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> Plan | None:
+    """The planner on the fastest GPU type's GPUs only (a sub-cluster with its own ranks)."""
+    speeds = speed_by_type(profile, inventory)
+    fastest = max(speeds, key=speeds.get)
+    machines = []
+    for machine in inventory.machines:
+        keep = [i for i, t in enumerate(machine.gpu_types) if t.name == fastest]
+        if keep:
+            machines.append(
+                replace(
+                    machine,
+                    gpu_types=tuple(machine.gpu_types[i] for i in keep),
+                    memory_budget_gib=tuple(machine.memory_budget_gib[i] for i in keep) if machine.memory_budget_gib else (),
+                )
+            )
+    names = {m.name for m in machines}
+    sub = replace(
+        inventory,
+        name=f"{inventory.name}[{fastest} only]",
+        machines=tuple(machines),
+        machine_links=tuple(l for l in inventory.machine_links if {l.machine_a, l.machine_b} <= names),
+        datacenter_links=tuple(
+            l for l in inventory.datacenter_links
+            if {l.datacenter_a, l.datacenter_b} <= {m.datacenter for m in machines}
+        ),
+    )
+    try:
+        plan = make_plan(sub, profile, global_batch_size, replace(options, stage_layout=None, layer_counts=None))
+    except PlanningError:
+        return None
+    return replace(plan, notes=(*plan.notes, f"baseline: only the {len(sub.gpus)} {fastest} GPUs (ranks of the sub-cluster)"))
+
+
+def all_baselines(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+) -> dict[str, Plan | None]:
+    """Every baseline by name, in the order reports print them."""
+    return {
+        "data_parallel_equal": data_parallel_equal(inventory, profile, global_batch_size, options),
+        "fastest_type_alone": fastest_type_alone(inventory, profile, global_batch_size, options),
+        "proportional_heuristic": proportional_heuristic(inventory, profile, global_batch_size, options),
+        "cephalo": cephalo(inventory, profile, global_batch_size, options),
+    }
+
