@@ -17,8 +17,18 @@ def _compositions(total: int, parts: int):
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+def _fits(group: GroupCosts, k: int, busiest: int, max_in_flight: int | None) -> bool:
+    flight = busiest if max_in_flight is None else min(busiest, max_in_flight)
+    return group.fixed_bytes[k - 1] + group.activation_bytes[k - 1] * flight <= group.capacity_bytes + 1e-9
+
+
 def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
-    """The documented objective, or None when some GPU's memory overflows."""
+    """The documented objective, or None when some GPU's or stage's memory overflows.
+
+    Sharded state must fit the stage's free memory with each group's in-flight
+    microbatches: its busiest GPU's under GPipe; under 1F1B the most it could hold
+    (min(limit, most allowed by memory)), a constant.
+    """
     excess = -math.inf
     latency = 0.0
     sync = 0.0
@@ -26,11 +36,15 @@ def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
         free = 0.0
         for group, n in zip(stage.groups, stage_shares):
             busiest = math.ceil(n / group.count)
-            flight = busiest if stage.max_in_flight is None else min(busiest, stage.max_in_flight)
-            used = group.fixed_bytes[k - 1] + group.activation_bytes[k - 1] * flight
-            if used > group.capacity_bytes + 1e-9:
+            if not _fits(group, k, busiest, stage.max_in_flight):
                 return None
-            free += group.count * (group.capacity_bytes - used)
+            if stage.max_in_flight is None:
+                flight = busiest
+            else:
+                most = math.ceil(problem.num_microbatches / group.count)
+                allowed = max(q for q in range(most + 1) if _fits(group, k, q, stage.max_in_flight))
+                flight = min(stage.max_in_flight, allowed)
+            free += group.count * (group.capacity_bytes - group.fixed_bytes[k - 1] - group.activation_bytes[k - 1] * flight)
             excess = max(excess, busiest * group.microbatch_ms[k - 1] - stage.latency_ms[k - 1])
         if free + 1e-9 < stage.sharded_bytes[k - 1]:
             return None

@@ -129,6 +129,7 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
     if strategy.global_rank == 0:
         profile = assemble_profile([m for m in measured if m is not None], model=type(strategy.lightning_module).__name__)
         plan = make_plan(inventory, profile, global_batch_size, options)
+        strategy.start_up_profile = profile  # kept for reports (timeline.png) on rank 0
     return strategy.broadcast(plan)
 
 

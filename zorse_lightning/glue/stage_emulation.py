@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.utils.hooks import RemovableHandle
+
+from torch import nn
+
 from zorse_lightning.engine.emulation import ComputeEmulator, emulated_modules, emulation_spec_for_rank
+from zorse_lightning.engine.cutting import StageCut, StageOutput
 from zorse_lightning.engine.executor import PipelineEngine
 
 
 class StageEmulation:
     """Slowed compute of this rank's blocks (and embedding / head where its stage holds them), memory budget."""
 
-    def __init__(self, emulator: ComputeEmulator) -> None:
+    def __init__(self, emulator: ComputeEmulator, boundaries: _StageBoundaries | None = None) -> None:
         self.emulator = emulator
+        self._boundaries = boundaries
         self._costs_agreed = False
 
     @classmethod
@@ -20,17 +26,14 @@ class StageEmulation:
         rank = strategy.global_rank
         emulator = ComputeEmulator(emulation_spec_for_rank(strategy.inventory, rank), rank=rank)
         module = strategy.lightning_module
-        cut = engine.cut
-        if cut is None:
-            modules = emulated_modules(module)
+        if engine.cut is None:
+            emulator.instrument(emulated_modules(module))
+            boundaries = None
         else:
-            start, end = cut.stage.layers
-            modules = cut.blocks.blocks[start:end]
-            names = (cut.analysis.pre_modules if cut.is_first else ()) + (cut.analysis.post_modules if cut.is_last else ())
-            modules += [module.get_submodule(name) for name in names]
-        emulator.instrument(modules)
+            emulator.instrument(_stage_modules(module, engine.cut))
+            boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
         emulator.track_memory(module, strategy.optimizers)
-        return cls(emulator)
+        return cls(emulator, boundaries)
 
     def after_step(self) -> None:
         if not self._costs_agreed:
@@ -40,4 +43,84 @@ class StageEmulation:
         self.emulator.check_memory()
 
     def stop(self) -> None:
+        if self._boundaries is not None:
+            self._boundaries.remove()
         self.emulator.remove()
+
+
+def _stage_modules(root: nn.Module, cut: StageCut) -> list[nn.Module]:
+    """The stage's modules, each at its index in the whole model's list (blocks, then pre, then post modules).
+
+    The emulator keys calibrated costs by position in the list it instruments,
+    and :meth:`ComputeEmulator.agree_costs` takes the minimum per key over all
+    ranks. Positions must therefore name the same module on every stage, or a
+    final norm on the last stage would lend its small cost to a block of
+    another stage. Modules this rank does not run keep their position with a
+    placeholder that is never called.
+    """
+    start, end = cut.stage.layers
+    canonical: list[nn.Module | None] = [b if start <= i < end else None for i, b in enumerate(cut.blocks.blocks)]
+    seen: set[str] = set()
+    for names, runs_here in ((cut.analysis.pre_modules, cut.is_first), (cut.analysis.post_modules, cut.is_last)):
+        for name in names:
+            canonical.append(root.get_submodule(name) if runs_here and name not in seen else None)
+            seen.add(name)
+    return [m if m is not None else nn.Identity() for m in canonical]
+
+
+class _StageBoundaries:
+    """Makes a stage's first and last blocks look like ordinary calls to the emulator's hooks.
+
+    The cut swaps the received activation in *inside* the first local block's
+    forward, and ends the stage by raising :class:`StageOutput` *inside* the last
+    one's. The emulator hooks the module call around that forward, so it would
+    mark (for the backward's end) the placeholder input instead of the received
+    activation, skip the deadline of a forward that raised, and calibrate by
+    calling the raising forward (returning a graph cut off from the stage's
+    input). Here the received activation is swapped in before the emulator's
+    hook (and its marked version handed to the cut after it), and the last
+    block returns normally, its output raised as :class:`StageOutput` by a hook
+    that runs after the emulator's.
+    """
+
+    def __init__(self, cut: StageCut) -> None:
+        self._handles: list[RemovableHandle] = []
+        self._patched: tuple[nn.Module, Any] | None = None
+        start, end = cut.stage.layers
+        if not cut.is_first:
+            first = cut.blocks.blocks[start]
+
+            def receive(module: nn.Module, args: tuple) -> tuple | None:
+                return None if cut.incoming is None else (cut.incoming, *args[1:])
+
+            def hand_marked(module: nn.Module, args: tuple) -> None:
+                if cut.incoming is not None:
+                    cut.incoming = args[0]
+
+            self._handles.append(first.register_forward_pre_hook(receive, prepend=True))
+            self._handles.append(first.register_forward_pre_hook(hand_marked))
+        if not cut.is_last:
+            last = cut.blocks.blocks[end - 1]
+            raising = last.forward
+
+            def returning(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return raising(*args, **kwargs)
+                except StageOutput as end_of_stage:
+                    return end_of_stage.output
+
+            def end_stage(module: nn.Module, args: tuple, output: Any) -> None:
+                raise StageOutput(output)
+
+            last.forward = returning
+            self._patched = (last, raising)
+            self._handles.append(last.register_forward_hook(end_stage))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._patched is not None:
+            module, forward = self._patched
+            module.forward = forward
+            self._patched = None

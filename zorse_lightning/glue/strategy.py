@@ -40,6 +40,7 @@ from zorse_lightning.glue.planning import check_plan_against, resolve_plan
 from zorse_lightning.glue.sampler import PlanBatchSampler, SamplerState, plan_dataloader
 from zorse_lightning.glue.stage_emulation import StageEmulation
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.profiling.profile import ModelProfile
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -72,6 +73,8 @@ class ZorseStrategy(ParallelStrategy):
         self._inventory: ClusterInventory | None = None
         self._plan_source = plan
         self._plan: Plan | None = None
+        self.start_up_profile: ModelProfile | None = None
+        """The profile measured at start-up (rank 0 only; None when a plan was given)."""
         self._planner_options = planner_options
         self._schedule_override = schedule
         self.block_path = block_path
@@ -106,6 +109,11 @@ class ZorseStrategy(ParallelStrategy):
                 "test/predict); pass plan=... to fix it in advance"
             )
         return self._plan
+
+    @property
+    def emulation(self) -> StageEmulation | None:
+        """This rank's emulation of its GPU type (None when off or before the first step)."""
+        return self._emulation
 
     @property
     def engine(self) -> PipelineEngine:

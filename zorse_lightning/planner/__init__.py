@@ -1,1 +1,41 @@
-"""Layer 3: the planner. Pure functions over inventories and profiles; no torch, no process groups."""
+"""Layer 3: the planner. Pure functions over inventories and profiles; no torch, no process groups.
+
+Entry points: :func:`make_plan` (search + integer program), the baselines of
+:mod:`.baselines`, :func:`simulate` (a plan as a timeline), and the cost model
+(:func:`plan_cost`, :class:`CostContext`).
+"""
+
+from zorse_lightning.planner.baselines import (
+    all_baselines,
+    cephalo,
+    data_parallel_equal,
+    fastest_type_alone,
+    proportional_heuristic,
+)
+from zorse_lightning.planner.evaluate import CostContext, PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.plan import Plan, Prediction, SolverRecord, StagePlan
+from zorse_lightning.planner.search import PlannerOptions, make_plan
+from zorse_lightning.planner.simulate import EventKind, Timeline, TimelineEvent, simulate
+
+__all__ = [
+    "CostContext",
+    "EventKind",
+    "Plan",
+    "PlanCost",
+    "PlannerOptions",
+    "Prediction",
+    "SolverRecord",
+    "StagePlan",
+    "Timeline",
+    "TimelineEvent",
+    "all_baselines",
+    "cephalo",
+    "data_parallel_equal",
+    "fastest_type_alone",
+    "make_plan",
+    "memory_overruns",
+    "plan_cost",
+    "prediction",
+    "proportional_heuristic",
+    "simulate",
+]

@@ -20,9 +20,9 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.evaluate import CostContext
-from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan
+from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.plan import Plan, StagePlan
-from zorse_lightning.planner.search import PlannerOptions, make_plan, speed_by_type
+from zorse_lightning.planner.search import PlannerOptions, make_plan
 from zorse_lightning.profiling.profile import ModelProfile
 
 def _best(plans) -> Plan | None:
@@ -75,7 +75,7 @@ def proportional_heuristic(
 ) -> Plan | None:
     """One stage per machine, fastest machines first; layers and microbatches by speed."""
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
-    speeds = speed_by_type(profile, inventory)
+    speeds = speed_by_type(ctx)
     machines = {}
     for rank, gpu in enumerate(inventory.gpus):
         machines.setdefault(gpu.machine, []).append(rank)
@@ -96,7 +96,7 @@ def fastest_type_alone(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
     """The planner on the fastest GPU type's GPUs only (a sub-cluster with its own ranks)."""
-    speeds = speed_by_type(profile, inventory)
+    speeds = speed_by_type(CostContext.build(inventory, profile))
     fastest = max(speeds, key=speeds.get)
     machines = []
     for machine in inventory.machines:

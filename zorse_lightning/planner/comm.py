@@ -93,9 +93,11 @@ class LinkTable:
         """
         if len(ranks) <= 1:
             return float("inf"), 0.0
-        pairs = [(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
-        links = [self.link(a, b) for a, b in pairs]
-        return min(l[1] for l in links), max(l[2] for l in links)
+        key = ("ring", ranks)
+        if key not in self._cache:
+            links = [self.link(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
+            self._cache[key] = (min(l[1] for l in links), max(l[2] for l in links))
+        return self._cache[key]
 
 
 def ring_sync_ms(gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharded: bool) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, stage_memory
-from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.units import bytes_to_gib
@@ -36,11 +36,12 @@ def frugal_plan(ctx: CostContext, layout: Layout, microbatch_size: int, schedule
     return Plan(
         ctx.profile.model, ctx.inventory.name, ctx.profile.num_layers, ctx.inventory.world_size,
         global_batch_size, microbatch_size, schedule, tuple(stages),
+        idle_ranks=unused_ranks(ctx.inventory.world_size, layout),
     )
 
 
 def infeasible_error(ctx: CostContext, layouts: list[Layout], sizes: list[int], schedule: Schedule, global_batch_size: int, options) -> PlanningError:
-    layout = max(layouts, key=len)
+    layout = max(layouts, key=lambda l: (sum(map(len, l)), len(l)))  # every GPU, most stages
     m = min(sizes)
     plan = frugal_plan(ctx, layout, m, schedule, global_batch_size, options.layer_counts)
     worst = None

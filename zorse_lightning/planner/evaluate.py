@@ -32,19 +32,24 @@ class CostContext:
     inventory: ClusterInventory
     profile: ModelProfile
     links: LinkTable
-    memory_reserve_gib: float | None = None
-    """None: 0.5 GiB per real GPU, scaled on emulated clusters (see :func:`reserve_gib`)."""
+    reserves_bytes: tuple[float, ...]
+    """Framework reserve per rank (see :func:`reserve_gib`)."""
+    capacities_bytes: tuple[float, ...]
 
     @classmethod
     def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
-        return cls(inventory, profile, LinkTable(inventory), memory_reserve_gib)
+        """``memory_reserve_gib`` None: 0.5 GiB per real GPU, scaled on emulated clusters."""
+        reserves = tuple(
+            gib_to_bytes(reserve_gib(g.memory_gib, g.gpu_type.memory_gib, inventory.emulated, memory_reserve_gib))
+            for g in inventory.gpus
+        )
+        return cls(inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus))
 
     def reserve_bytes(self, rank: int) -> float:
-        gpu = self.inventory.gpus[rank]
-        return gib_to_bytes(reserve_gib(gpu.memory_gib, gpu.gpu_type.memory_gib, self.inventory.emulated, self.memory_reserve_gib))
+        return self.reserves_bytes[rank]
 
     def capacity_bytes(self, rank: int) -> float:
-        return gib_to_bytes(self.inventory.gpus[rank].memory_gib)
+        return self.capacities_bytes[rank]
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,13 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
     profile = ctx.profile
-    times = tuple(
-        stage_microbatch_times(
+    by_type = {
+        t: stage_microbatch_times(
             profile.times(t), stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
         )
-        for t in stage.gpu_types
-    )
+        for t in set(stage.gpu_types)
+    }
+    times = tuple(by_type[t] for t in stage.gpu_types)
     totals = [t.total_ms for t in times]
     counts = list(stage.microbatches_per_rank)
     parameters = stage_parameters(profile, stage.layers, first=first, last=last)
@@ -141,13 +147,9 @@ def stage_memory(ctx: CostContext, plan: Plan, index: int, fractions: tuple[floa
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
+    num_stages, schedule = len(plan.stages), plan.schedule
     return tuple(
-        RankMemory(
-            state_bytes=held,
-            sharded_bytes=sharded * fraction,
-            activation_bytes=per_microbatch * microbatches_in_flight(plan.schedule, len(plan.stages), index, n),
-            reserve_bytes=ctx.reserve_bytes(rank),
-        )
+        RankMemory(held, sharded * fraction, per_microbatch * microbatches_in_flight(schedule, num_stages, index, n), ctx.reserves_bytes[rank])
         for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions)
     )
 

@@ -33,9 +33,10 @@ class Cell:
     gpu_type: str
 
 
-def cells(inventory: ClusterInventory) -> list[Cell]:
+def cells(inventory: ClusterInventory, ranks: tuple[int, ...]) -> list[Cell]:
     found: dict[tuple[str, str, float], list[int]] = {}
-    for rank, gpu in enumerate(inventory.gpus):
+    for rank in ranks:
+        gpu = inventory.gpus[rank]
         found.setdefault((gpu.machine, gpu.gpu_type.name, gpu.memory_gib), []).append(rank)
     return [Cell(tuple(ranks), machine, gpu_type) for (machine, gpu_type, _), ranks in found.items()]
 
@@ -52,10 +53,15 @@ def stage_counts_to_try(num_cells: int, max_stages: int) -> list[int]:
 
 
 def partitions(
-    inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float], stage_counts: list[int]
+    inventory: ClusterInventory,
+    links: LinkTable,
+    speed_by_type: dict[str, float],
+    stage_counts: list[int],
+    ranks: tuple[int, ...],
 ) -> list[list[tuple[int, ...]]]:
-    """Agglomerate cells by descending bandwidth; ties merge GPUs of similar speed first."""
-    found = cells(inventory)
+    """Agglomerate the cells of ``ranks`` by descending bandwidth; ties merge GPUs of
+    similar speed first."""
+    found = cells(inventory, ranks)
     parent = list(range(len(found)))
 
     def root(i: int) -> int:
@@ -161,10 +167,17 @@ def _best_path(table: list[list[float]]) -> list[int]:
 
 
 def candidate_layouts(
-    inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float], max_stages: int
+    inventory: ClusterInventory,
+    links: LinkTable,
+    speed_by_type: dict[str, float],
+    max_stages: int,
+    ranks: tuple[int, ...] | None = None,
 ) -> list[Layout]:
-    """Every partition of the agglomeration (and its splits) in every order worth trying."""
-    base = partitions(inventory, links, speed_by_type, stage_counts_to_try(len(cells(inventory)), max_stages))
+    """Every partition of the agglomeration of ``ranks`` (default: all), and its splits,
+    in every order worth trying."""
+    ranks = tuple(range(inventory.world_size)) if ranks is None else ranks
+    counts = stage_counts_to_try(len(cells(inventory, ranks)), max_stages)
+    base = partitions(inventory, links, speed_by_type, counts, ranks)
     grouped: list[list[tuple[int, ...]]] = []
     for groups in base:
         for parts in (1, *SPLIT_FACTORS):
@@ -177,3 +190,23 @@ def candidate_layouts(
             if layout not in layouts:
                 layouts.append(layout)
     return layouts
+
+
+def fastest_type_subsets(inventory: ClusterInventory, speed_by_type: dict[str, float]) -> list[tuple[int, ...]]:
+    """All ranks, then the ranks of the fastest types only: fastest one, fastest two, ...
+
+    A plan may leave slow GPUs idle when they, or the links to them, would slow the
+    rest down (for example GPUs in another datacenter behind a slow link).
+    """
+    order = sorted(speed_by_type, key=lambda t: -speed_by_type[t])
+    subsets = [tuple(range(inventory.world_size))]
+    for count in range(len(order) - 1, 0, -1):
+        kept = set(order[:count])
+        subsets.append(tuple(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name in kept))
+    return subsets
+
+
+def unused_ranks(world_size: int, layout: Layout) -> tuple[int, ...]:
+    """Ranks in no stage of the layout: the plan's idle ranks."""
+    used = {r for stage in layout for r in stage}
+    return tuple(r for r in range(world_size) if r not in used)

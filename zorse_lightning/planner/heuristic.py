@@ -12,6 +12,7 @@ from dataclasses import replace
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.grouping import unused_ranks
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import with_free_memory_shards
 from zorse_lightning.planner.rounding import proportional_counts
@@ -60,6 +61,7 @@ def proportional_plan(
     plan = Plan(
         ctx.profile.model, ctx.inventory.name, ctx.profile.num_layers, ctx.inventory.world_size,
         global_batch_size, microbatch_size, schedule, tuple(stages), solver=HEURISTIC,
+        idle_ranks=unused_ranks(ctx.inventory.world_size, layout),
     )
     return with_free_memory_shards(ctx, plan)
 

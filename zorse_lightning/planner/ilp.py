@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import SolverRecord
-from zorse_lightning.units import bytes_to_gib
 
 SOLVER_NAME = "pulp-cbc"
 
@@ -213,18 +212,17 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
             for k in options[s]:
                 sharded = stage.sharded_bytes[k - 1]
                 if sharded > 0:
-                    free = sum(grp.count * (grp.capacity_bytes - grp.fixed_bytes[k - 1]) for grp in stage.groups)
-                    used = pulp.lpSum(
-                        _gib(grp.count * grp.activation_bytes[k - 1]) * copies[s, g, k] for g, grp in enumerate(stage.groups)
+                    room = sum(grp.count * (grp.capacity_bytes - grp.fixed_bytes[k - 1]) for grp in stage.groups) - sharded
+                    per_microbatch = [grp.count * grp.activation_bytes[k - 1] for grp in stage.groups]
+                    scale = max(abs(room), *per_microbatch) or 1.0  # rows near 1: bytes next to ms stall CBC
+                    prob += (room / scale) * use[s, k] >= pulp.lpSum(
+                        a / scale * copies[s, g, k] for g, a in enumerate(per_microbatch)
                     )
-                    prob += _gib(free - sharded) * use[s, k] >= used
         # 3.6 synchronisation after the last backward.
         prob += exposed_sync >= pulp.lpSum(stage.sync_ms[k - 1] * use[s, k] for k in options[s])
 
     prob.solve(_cbc(pulp, time_limit_s))
-    status = pulp.LpStatus[prob.status]
-    found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if not found or status != "Optimal":
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
     counts = tuple(next(k for k in options[s] if use[s, k].value() > 0.5) for s in range(len(problem.stages)))
     microbatches = tuple(
@@ -233,8 +231,3 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float) -> Assignm
     objective = pulp.value(prob.objective)
     quality = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible (time limit)"
     return Assignment(counts, microbatches, objective, SolverRecord(SOLVER_NAME, quality, objective))
-
-
-def _gib(num_bytes: float) -> float:
-    """Memory rows in GiB: coefficients near 1e10 next to milliseconds slow CBC down."""
-    return bytes_to_gib(num_bytes)

@@ -97,11 +97,15 @@ class Plan:
     solver: SolverRecord = field(default_factory=SolverRecord)
     notes: tuple[str, ...] = ()
     """Why the plan looks as it does (for example: no cuts because the module has no block list)."""
+    idle_ranks: tuple[int, ...] = ()
+    """Ranks that take no part in training (the plan is faster without them, for example
+    behind a slow link): in no stage, no collective, no data."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "idle_ranks", tuple(self.idle_ranks))
         self.validate()
 
     # -- invariants ---------------------------------------------------------------------
@@ -123,9 +127,9 @@ class Plan:
         if not self.stages:
             yield "a plan needs at least one stage"
             return
-        seen = sorted(r for s in self.stages for r in s.ranks)
+        seen = sorted([r for s in self.stages for r in s.ranks] + list(self.idle_ranks))
         if seen != list(range(self.world_size)):
-            yield f"every rank 0..{self.world_size - 1} must be used exactly once, got ranks {seen}"
+            yield f"every rank 0..{self.world_size - 1} must be used exactly once (in a stage or idle), got ranks {seen}"
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stage {index}"

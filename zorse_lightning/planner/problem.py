@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.comm import ring_sync_ms, transfer_ms
 from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions
-from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
 from zorse_lightning.planner.memory import stage_state_bytes, state_bytes_per_parameter
 from zorse_lightning.planner.plan import Plan, StagePlan
@@ -209,6 +209,7 @@ def to_plan(
         stages=tuple(stages),
         solver=assignment.record,
         notes=notes,
+        idle_ranks=unused_ranks(ctx.inventory.world_size, candidate.layout),
     )
     return with_free_memory_shards(ctx, plan)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.diagnose import infeasible_error
-from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, stage_memory
-from zorse_lightning.planner.grouping import Layout, candidate_layouts
+from zorse_lightning.planner.evaluate import CostContext, stage_memory
+from zorse_lightning.planner.heuristic import priced, proportional_plan, speed_by_type
+from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.ilp import solve_assignment
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.problem import Candidate, WindowCosts, boundary_transfer_ms, build_problem, to_plan
@@ -35,7 +35,7 @@ from zorse_lightning.profiling.profile import ModelProfile
 class PlannerOptions:
     """Knobs of the search, and pins: parts of the plan the user fixes (None: planner chooses)."""
 
-    solver_time_limit_s: float = 10.0
+    solver_time_limit_s: float = 1.0
     """Per integer program; a solution found within the limit is kept and marked as such."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """Candidates; those that do not divide the global batch are skipped."""
@@ -46,6 +46,8 @@ class PlannerOptions:
     memory_reserve_gib: float | None = None
     """Per-GPU framework reserve; None: 0.5 GiB, scaled down on emulated clusters."""
     max_stages: int = 16
+    max_programs: int = 8
+    """Integer programs to solve, most promising candidates (by their proportional split) first."""
     stage_layout: tuple[tuple[int, ...], ...] | None = None
     """Pinned stages in pipeline order, each a list of global ranks."""
     layer_counts: tuple[int, ...] | None = None
@@ -86,36 +88,57 @@ def make_plan(
     layouts = _layouts(ctx, options)
     sizes = _microbatch_sizes(global_batch_size, options)
     schedules = [options.schedule] if options.schedule is not None else [Schedule.ONE_F_ONE_B]
-    queue = sorted(
-        ((_lower_bound_ms(ctx, windows, layout, m, global_batch_size), i, layout, m, schedule)
-         for i, (layout, m, schedule) in enumerate((l, m, s) for l in layouts for m in sizes for s in schedules)),
-        key=lambda item: item[:2],
+    speeds = speed_by_type(ctx)
+    bounded = sorted(
+        (_lower_bound_ms(ctx, layout, m, global_batch_size), i, layout, m, schedule)
+        for i, (layout, m, schedule) in enumerate((l, m, sc) for l in layouts for m in sizes for sc in schedules)
     )
-    best, best_ms, solves = None, float("inf"), 0
-    for bound, _, layout, m, schedule in queue:
-        if bound >= best_ms:
+    best, scored = None, []
+    for bound, i, layout, m, schedule in bounded:
+        if best is not None and bound >= best.predicted.iteration_ms:
             break
+        heuristic = _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options)
+        best = _faster(best, heuristic)
+        scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule))
+    solves = 0
+    for _, bound, _, layout, m, schedule in sorted(scored):
+        if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
+            continue
         for recompute in (False, True):
             candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
             problem, groups = build_problem(ctx, windows, candidate, global_batch_size, options.layer_counts)
             assignment = solve_assignment(problem, options.solver_time_limit_s)
             solves += 1
-            if assignment is None:
-                continue
-            plan = _unshard_where_it_fits(ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes))
-            cost = plan_cost(ctx, plan)
-            if not memory_overruns(ctx, plan, cost) and cost.iteration_ms < best_ms:
-                best, best_ms = replace(plan, predicted=prediction(ctx, plan, cost)), cost.iteration_ms
-            break
+            if assignment is not None:
+                plan = _unshard_where_it_fits(ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes))
+                best = _faster(best, priced(ctx, plan))
+                break
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
     record = replace(best.solver, status=f"{best.solver.status}; {solves} programs solved")
-    return replace(best, planner_seconds=time.perf_counter() - started, solver=record)
+    if best.idle_ranks:
+        idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
+        notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
+    return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 
-def speed_by_type(profile: ModelProfile, inventory: ClusterInventory) -> dict[str, float]:
-    """Sample-layers per millisecond of each GPU type of the cluster."""
-    return {t.name: 1.0 / per_sample_layer_ms(profile.times(t.name)) for t in inventory.gpu_types}
+def _faster(a: Plan | None, b: Plan | None) -> Plan | None:
+    if a is None or (b is not None and b.predicted.iteration_ms < a.predicted.iteration_ms):
+        return b
+    return a
+
+
+def _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
+    """The proportional split of a candidate, priced: an upper bound, and a fallback plan.
+    Pinned layer counts are applied by the integer program only."""
+    if options.layer_counts is not None:
+        return None
+    for recompute in (False, True):
+        plan = proportional_plan(ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds)
+        plan = priced(ctx, _unshard_where_it_fits(ctx, plan))
+        if plan is not None:
+            return plan
+    return None
 
 
 def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
@@ -143,13 +166,17 @@ def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_bat
 
 def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
     num_layers = ctx.profile.num_layers
+    speeds = speed_by_type(ctx)
     if options.stage_layout is not None:
         layouts = [tuple(tuple(sorted(s)) for s in options.stage_layout)]
     elif not options.allow_pipeline:
-        layouts = [(tuple(range(ctx.inventory.world_size)),)]
+        layouts = [(ranks,) for ranks in fastest_type_subsets(ctx.inventory, speeds)]
     else:
-        speeds = speed_by_type(ctx.profile, ctx.inventory)
-        layouts = candidate_layouts(ctx.inventory, ctx.links, speeds, min(options.max_stages, num_layers))
+        layouts = [
+            layout
+            for ranks in fastest_type_subsets(ctx.inventory, speeds)
+            for layout in candidate_layouts(ctx.inventory, ctx.links, speeds, min(options.max_stages, num_layers), ranks)
+        ]
     if options.layer_counts is not None:
         layouts = [l for l in layouts if len(l) == len(options.layer_counts)]
     if not layouts or any(len(l) > num_layers for l in layouts):
@@ -175,7 +202,7 @@ def _microbatch_sizes(global_batch_size: int, options: PlannerOptions) -> list[i
     return usable
 
 
-def _lower_bound_ms(ctx: CostContext, windows: WindowCosts, layout: Layout, m: int, global_batch_size: int) -> float:
+def _lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int) -> float:
     """No plan of the layout at microbatch size ``m`` is faster than this (see module docstring)."""
     num_m = global_batch_size // m
     types = [[ctx.inventory.gpus[r].gpu_type.name for r in s] for s in layout]
@@ -206,4 +233,4 @@ def _unsharded(stage: StagePlan) -> StagePlan:
     return replace(stage, sharding=Sharding.NONE, shard_fractions=())
 
 
-__all__ = ["PlannerOptions", "make_plan", "speed_by_type"]
+__all__ = ["PlannerOptions", "make_plan"]

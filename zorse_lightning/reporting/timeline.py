@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.simulate import simulate
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -17,6 +22,30 @@ COLOURS = {
 
 
 class TimelineEvent(Protocol):
+    rank: int
+    kind: str
+    start_ms: float
+    end_ms: float
+
+
+def draw_plan_timeline(plan: Plan, ctx: CostContext, path: str | Path) -> Path:
+    """Simulate one iteration of ``plan`` in the cost model and draw it."""
+    timeline = simulate(ctx, plan)
+    labels = [""] * plan.world_size
+    for index, stage in enumerate(plan.stages):
+        for rank, gpu_type, count in zip(stage.ranks, stage.gpu_types, stage.microbatches_per_rank):
+            labels[rank] = f"{rank} {gpu_type} s{index} ({count} mb)"
+    title = (
+        f"{plan.model} on {plan.cluster}: {plan.schedule.value}, {plan.num_microbatches} x {plan.microbatch_size} samples, "
+        f"predicted {timeline.predicted_iteration_ms:.1f} ms"
+    )
+    return draw_timeline(
+        [_Plain(e.rank, e.kind.value, e.start_ms, e.end_ms) for e in timeline.events], labels, path, title
+    )
+
+
+@dataclass(frozen=True)
+class _Plain:
     rank: int
     kind: str
     start_ms: float
@@ -56,7 +85,8 @@ def draw_timeline(
     kinds = sorted({e.kind for e in events}, key=lambda k: list(COLOURS).index(k) if k in COLOURS else 99)
     axes.legend(
         handles=[Patch(color=COLOURS.get(k, "#999999"), label=k) for k in kinds],
-        loc="upper right",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
         fontsize=8,
         ncols=len(kinds),
     )

@@ -1,0 +1,222 @@
+"""Throughput on emulated mixed-GPU clusters: the zorse plan against DDP and the ideal.
+
+    .venv/bin/python bench/hetero_throughput.py                      # cpu_sim4
+    .venv/bin/python bench/hetero_throughput.py --clusters cpu_sim4 cpu_sim2 path/to/mix.yaml
+
+For each cluster, in one set of processes (one per rank, gloo, one thread each):
+
+- zorse: ``Trainer(strategy=ZorseStrategy(cluster=...))`` with emulation on; the
+  strategy profiles the blocks at start-up (each GPU type through its own
+  emulation) and the planner chooses the plan;
+- ddp: ``Trainer(strategy="ddp")`` with equal per-rank batches on the same
+  emulated ranks (the :class:`EmulateCluster` callback);
+- ideal: the sum over ranks of what each rank trains per second *alone* at its
+  emulated speed. Measured, in this (parent) process: the whole model trained
+  by one process slowed as that rank's type is in the cluster (same slowdown,
+  same calibration method), ``--per-rank-batch`` samples per step. A second
+  figure, ``ideal_from_costs_samples_per_s``, divides the same samples by the
+  emulated compute time alone (calibrated cost x slowdown, without the
+  optimizer step and framework overhead): an upper bound of the ideal.
+
+Throughput is the global batch over the median step time after ``--warmup``
+steps (the first steps cut the model, calibrate and agree costs). The model is
+a GPT whose blocks take milliseconds per sample, so the emulation's per-call
+overhead (tens of microseconds) stays small beside the deadlines. The last line
+printed is one JSON object: ``{"clusters": [{"cluster", "zorse_samples_per_s",
+"ddp_samples_per_s", "ideal_samples_per_s", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, TensorDataset
+
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.engine.emulation import ComputeEmulator, emulated_modules, emulation_spec_for_rank
+from zorse_lightning.glue.emulation_callback import EmulateCluster
+from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.models.gpt import GPT
+from zorse_lightning.planner.search import PlannerOptions
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    per_rank_batch: int = 8
+    """DDP's batch per rank; the zorse global batch is this x the number of ranks, as with DDP."""
+    warmup: int = 2
+    steps: int = 6
+    """Timed steps after warm-up (the median is kept)."""
+    width: int = 192
+    layers: int = 8
+    seq_len: int = 64
+    vocab: int = 256
+    solver_time_limit_s: float = 5.0
+
+    def model(self) -> GPT:
+        torch.manual_seed(0)
+        return GPT(vocab_size=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers, heads=4)
+
+    def dataset(self, world_size: int) -> TensorDataset:
+        count = self.per_rank_batch * world_size * (self.warmup + self.steps)
+        tokens = torch.randint(0, self.vocab, (count, self.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class StepClock(pl.Callback):
+    """Wall time between the ends of consecutive training steps."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.ends.append(time.perf_counter())
+
+    def median_step_s(self, warmup: int) -> float:
+        intervals = [b - a for a, b in zip(self.ends, self.ends[1:])]
+        return statistics.median(intervals[max(warmup - 1, 0):])
+
+
+def _trainer(strategy, world_size: int, config: BenchConfig, callbacks: list, root: str) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world_size, max_steps=config.warmup + config.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root,
+    )
+
+
+def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
+    clock = StepClock()
+    strategy = ZorseStrategy(cluster=cluster, planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s))
+    trainer = _trainer(strategy, world_size, config, [clock], root)
+    loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
+    trainer.fit(config.model(), train_dataloaders=loader)
+    plan = strategy.plan
+    emulator = strategy.emulation.emulator
+    overruns = strategy.all_gather(torch.tensor(emulator.overruns)).reshape(-1).tolist()
+    return {
+        "samples_per_s": plan.global_batch_size / clock.median_step_s(config.warmup),
+        "plan": {
+            "microbatch_size": plan.microbatch_size,
+            "stages": [
+                {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank)}
+                for s in plan.stages
+            ],
+            "predicted_iteration_ms": plan.predicted.iteration_ms if plan.predicted else None,
+        },
+        "overruns_per_rank": overruns,
+    }
+
+
+def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
+    clock, emulate = StepClock(), EmulateCluster(cluster)
+    trainer = _trainer("ddp", world_size, config, [clock, emulate], root)
+    loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
+    trainer.fit(config.model(), train_dataloaders=loader)
+    overruns = trainer.strategy.all_gather(torch.tensor(emulate.emulator.overruns)).reshape(-1).tolist()
+    return {
+        "samples_per_s": config.per_rank_batch * world_size / clock.median_step_s(config.warmup),
+        "overruns_per_rank": overruns,
+    }
+
+
+def _worker(rank: int, cluster: str, world_size: int, port: int, config: BenchConfig, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="bench", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    result = {"zorse": _run_zorse(cluster, world_size, config, out_dir), "ddp": _run_ddp(cluster, world_size, config, out_dir)}
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+
+
+def solo_samples_per_s(cluster: str, rank: int, config: BenchConfig) -> tuple[float, float]:
+    """(measured, from emulated compute only) samples/s of ``rank`` training the whole model alone."""
+    inventory = load_cluster(cluster)
+    model = config.model()
+    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank)
+    emulator.instrument(emulated_modules(model))
+    optimizer = model.configure_optimizers()
+    inputs, targets = config.dataset(1)[: config.per_rank_batch]
+    step_s, emulated_s = [], []
+    for _ in range(config.warmup + config.steps):
+        before, start = emulator.emulated_compute_s, time.perf_counter()
+        model._loss((inputs, targets)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step_s.append(time.perf_counter() - start)
+        emulated_s.append(emulator.emulated_compute_s - before)
+    emulator.remove()
+    timed = slice(config.warmup, None)
+    return (
+        config.per_rank_batch / statistics.median(step_s[timed]),
+        config.per_rank_batch / statistics.median(emulated_s[timed]),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_cluster(cluster: str, config: BenchConfig) -> dict:
+    inventory = load_cluster(cluster)
+    world_size = inventory.world_size
+    first_of_type = {}
+    for rank, gpu in enumerate(inventory.gpus):
+        first_of_type.setdefault(gpu.gpu_type.name, rank)
+    torch.set_num_threads(1)
+    solo = {name: solo_samples_per_s(cluster, rank, config) for name, rank in first_of_type.items()}
+    ideal = sum(solo[g.gpu_type.name][0] for g in inventory.gpus)
+    ideal_from_costs = sum(solo[g.gpu_type.name][1] for g in inventory.gpus)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(cluster, world_size, _free_port(), config, out_dir), nprocs=world_size, join=True)
+        runs = json.loads(Path(out_dir, "result.json").read_text())
+    zorse, ddp = runs["zorse"]["samples_per_s"], runs["ddp"]["samples_per_s"]
+    return {
+        "cluster": inventory.name,
+        "zorse_samples_per_s": round(zorse, 3),
+        "ddp_samples_per_s": round(ddp, 3),
+        "ideal_samples_per_s": round(ideal, 3),
+        "zorse_over_ideal": round(zorse / ideal, 4),
+        "ddp_over_ideal": round(ddp / ideal, 4),
+        "ideal_from_costs_samples_per_s": round(ideal_from_costs, 3),
+        "solo_samples_per_s": {name: round(rates[0], 3) for name, rates in solo.items()},
+        "plan": runs["zorse"]["plan"],
+        "overruns": {"zorse": runs["zorse"]["overruns_per_rank"], "ddp": runs["ddp"]["overruns_per_rank"]},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clusters", nargs="+", default=["cpu_sim4"], help="cluster conf names or YAML paths")
+    defaults = BenchConfig()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    clusters = args.pop("clusters")
+    config = BenchConfig(**args)
+    results = []
+    for cluster in clusters:
+        started = time.perf_counter()
+        results.append(bench_cluster(cluster, config))
+        print(f"{cluster}: {time.perf_counter() - started:.0f} s, {results[-1]}", file=sys.stderr)
+    print(json.dumps({"clusters": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The training app: compose a run, train it with ZorseStrategy, leave its outputs in the run directory.
+
+Outputs: ``plan.json``, ``timeline.png``, metrics (CSV and TensorBoard) and checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf, read_write
+
+from zorse_lightning.apps.hydra_support import CONF_DIR, register_schemas, report_user_errors
+from zorse_lightning.apps.planner_options import planner_options_from_config
+from zorse_lightning.apps.throughput import SamplesPerSecond
+from zorse_lightning.cluster.config import inventory_from_config
+from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.reporting.plan_table import plan_table
+from zorse_lightning.reporting.timeline import draw_plan_timeline
+
+
+def _confine_children_to_this_job(output_dir: Path) -> None:
+    """Under ``--multirun``, Lightning's subprocess launcher re-runs the command line, sweep included.
+
+    It builds the children's command from ``sys.argv`` and ``hydra.run.dir``: point both at this job
+    alone, so each child joins its own job and writes into this job's directory.
+    """
+    import sys
+
+    hydra_cfg = HydraConfig.get()
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
+    with read_write(hydra_cfg):
+        hydra_cfg.run.dir = str(output_dir)
+
+
+@report_user_errors
+def _run(cfg: DictConfig) -> None:
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        _confine_children_to_this_job(output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    inventory = inventory_from_config(cfg.cluster)
+    model = instantiate(cfg.model)
+    data = instantiate(cfg.data)
+    options = planner_options_from_config(cfg.planner)
+    strategy = ZorseStrategy(
+        cluster=inventory, plan=cfg.plan, planner_options=options, block_path=cfg.block_path, seed=cfg.seed
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        devices=_local_devices(inventory),
+        num_nodes=1,
+        default_root_dir=str(output_dir),
+        logger=[CSVLogger(output_dir, name="metrics"), TensorBoardLogger(output_dir, name="tensorboard")],
+        callbacks=[ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True), SamplesPerSecond()],
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.checkpoint)
+    if trainer.is_global_zero:
+        _write_plan_outputs(strategy, output_dir)
+
+
+def _local_devices(inventory) -> int:
+    """Processes on this machine: all of an emulated cluster's ranks run here."""
+    import os
+
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return inventory.world_size if inventory.emulated else len(inventory.machines[0].gpu_types)
+
+
+def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:
+    from rich.console import Console
+
+    plan = strategy.plan
+    plan.save(output_dir / "plan.json")
+    if strategy.start_up_profile is not None:
+        ctx = CostContext.build(strategy.inventory, strategy.start_up_profile)
+        Console(width=160).print(plan_table(plan, ctx))
+        draw_plan_timeline(plan, ctx, output_dir / "timeline.png")
+    print(f"outputs in {output_dir}: plan.json, timeline.png, metrics/, tensorboard/, checkpoints/")
+
+
+def main() -> None:
+    register_schemas()
+    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
