@@ -16,6 +16,7 @@ setup: $(PY)
 
 demo: setup
 	$(PY) -m zorse_lightning.cluster cluster=cpu_sim4
+	$(PY) -m zorse_lightning.train recipe=gpt_tiny_cpu_sim4
 
 test: setup
 	$(PY) -m pytest -q

@@ -165,7 +165,9 @@ class ZorseStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
         environment = self.cluster_environment
-        if environment is not None and not environment.creates_processes_externally:
+        # Lightning's children see LOCAL_RANK and report creates_processes_externally, yet still need
+        # their ranks set; only HeterogeneousEnvironment (torchrun, SLURM) knows them on its own.
+        if environment is not None and not isinstance(environment, HeterogeneousEnvironment):
             if self.num_nodes > 1:
                 raise ValueError(
                     f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "

@@ -67,20 +67,36 @@ class LinkTable:
 
     inventory: ClusterInventory
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _machines: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_machines", tuple(g.machine for g in self.inventory.gpus))
 
     def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
         """(key of the shared link, bandwidth_gbps, latency_us) between two ranks."""
-        gpus = self.inventory.gpus
-        ma, mb = gpus[rank_a].machine, gpus[rank_b].machine
-        key: LinkKey = ("gpus", rank_a, rank_b) if ma == mb else ("machines", ma, mb)
-        cache_key = ("machines", ma, mb) if ma != mb else ("intra", ma, rank_a == rank_b)
-        if cache_key not in self._cache:
-            self._cache[cache_key] = (
-                self.inventory.bandwidth_gbps(rank_a, rank_b),
-                self.inventory.latency_us(rank_a, rank_b),
-            )
-        bandwidth_gbps, latency_us = self._cache[cache_key]
-        return key, bandwidth_gbps, latency_us
+        ma, mb = self._machines[rank_a], self._machines[rank_b]
+        if ma == mb:
+            key: LinkKey = ("gpus", rank_a, rank_b)
+            cached = self._cache.get(("intra", ma, rank_a == rank_b))
+        else:
+            key = ("machines", ma, mb)
+            cached = self._cache.get(key)
+        if cached is None:
+            cached = (self.inventory.bandwidth_gbps(rank_a, rank_b), self.inventory.latency_us(rank_a, rank_b))
+            self._cache[("intra", ma, rank_a == rank_b) if ma == mb else key] = cached
+        return key, cached[0], cached[1]
+
+    def between(self, ranks_a: tuple[int, ...], ranks_b: tuple[int, ...]) -> tuple[float, float, float, float]:
+        """(min, max bandwidth_gbps; min, max latency_us) over the links from any rank of
+        one group to any of another (one representative GPU per machine)."""
+        key = ("between", ranks_a, ranks_b)
+        if key not in self._cache:
+            reps_a = {self._machines[r]: r for r in ranks_a}.values()
+            reps_b = {self._machines[r]: r for r in ranks_b}.values()
+            found = [self.link(a, b)[1:] for a in reps_a for b in reps_b]
+            bandwidths, latencies = [f[0] for f in found], [f[1] for f in found]
+            self._cache[key] = (min(bandwidths), max(bandwidths), min(latencies), max(latencies))
+        return self._cache[key]
 
     def bandwidth_gbps(self, rank_a: int, rank_b: int) -> float:
         return self.link(rank_a, rank_b)[1]

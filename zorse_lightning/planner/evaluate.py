@@ -104,14 +104,14 @@ def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     sender, receiver = plan.stages[index], plan.stages[index + 1]
     message_bytes = ctx.profile.layers[sender.layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
     per_link: dict = {}
-    slowest = 0.0
     route_list = routes(sender, receiver)
     for a, b, count in route_list:
         key, bandwidth_gbps, latency_us = ctx.links.link(a, b)
-        one = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
-        slowest = max(slowest, one)
-        per_link[key] = per_link.get(key, 0.0) + count * one
-    return BoundaryCost(slowest, max(per_link.values(), default=0.0), tuple(route_list))
+        if key not in per_link:
+            per_link[key] = [transfer_ms(message_bytes, bandwidth_gbps, latency_us), 0]
+        per_link[key][1] += count
+    slowest = max((one for one, _ in per_link.values()), default=0.0)
+    return BoundaryCost(slowest, max((one * count for one, count in per_link.values()), default=0.0), tuple(route_list))
 
 
 def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
@@ -139,8 +139,11 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     )
 
 
-def stage_memory(ctx: CostContext, plan: Plan, index: int, fractions: tuple[float, ...]) -> tuple[RankMemory, ...]:
-    stage = plan.stages[index]
+def stage_memory(
+    ctx: CostContext, plan: Plan, index: int, fractions: tuple[float, ...], stage: StagePlan | None = None
+) -> tuple[RankMemory, ...]:
+    """Peak memory of each rank of stage ``index`` (or of ``stage`` put in its place)."""
+    stage = stage or plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
     parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
     held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding)
@@ -148,10 +151,15 @@ def stage_memory(ctx: CostContext, plan: Plan, index: int, fractions: tuple[floa
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
     num_stages, schedule = len(plan.stages), plan.schedule
-    return tuple(
-        RankMemory(held, sharded * fraction, per_microbatch * microbatches_in_flight(schedule, num_stages, index, n), ctx.reserves_bytes[rank])
-        for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions)
-    )
+    alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
+    out = []
+    for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions):
+        key = (n, fraction, ctx.reserves_bytes[rank])
+        if key not in alike:
+            flight = microbatches_in_flight(schedule, num_stages, index, n)
+            alike[key] = RankMemory(held, sharded * fraction, per_microbatch * flight, key[2])
+        out.append(alike[key])
+    return tuple(out)
 
 
 def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tuple[float, ...]:

@@ -84,12 +84,10 @@ class WindowCosts:
 
 
 def boundary_transfer_ms(ctx: CostContext, sender: tuple[int, ...], receiver: tuple[int, ...], message_bytes: float) -> tuple[float, float]:
-    """(fastest, slowest) one-way transfer of a message between any GPU of one stage and
-    any of the next, over one representative GPU per machine."""
-    reps_a = {ctx.inventory.gpus[r].machine: r for r in sender}
-    reps_b = {ctx.inventory.gpus[r].machine: r for r in receiver}
-    times = [transfer_ms(message_bytes, *ctx.links.link(a, b)[1:]) for a in reps_a.values() for b in reps_b.values()]
-    return min(times), max(times)
+    """Bounds on one transfer of a message from a GPU of one stage to one of the next:
+    (at the best bandwidth and latency, at the worst) over the machines involved."""
+    low_gbps, high_gbps, low_us, high_us = ctx.links.between(sender, receiver)
+    return transfer_ms(message_bytes, high_gbps, low_us), transfer_ms(message_bytes, low_gbps, high_us)
 
 
 def _extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:

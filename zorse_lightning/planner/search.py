@@ -62,6 +62,11 @@ class PlannerOptions:
             object.__setattr__(self, "layer_counts", tuple(int(c) for c in self.layer_counts))
         object.__setattr__(self, "microbatch_sizes", tuple(self.microbatch_sizes))
         if self.schedule is not None:
+            if self.schedule not in [s.value for s in SUPPORTED_SCHEDULES]:
+                raise PlanningError(
+                    f"schedule={self.schedule!r} is not a schedule the engine runs; "
+                    f"use one of {[s.value for s in SUPPORTED_SCHEDULES]} or leave it to the planner"
+                )
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         if not self.solver_time_limit_s > 0:
             raise PlanningError(f"solver_time_limit_s={self.solver_time_limit_s} must be positive (seconds per solve)")
@@ -70,8 +75,6 @@ class PlannerOptions:
         sizes = self.microbatch_sizes + ((self.microbatch_size,) if self.microbatch_size is not None else ())
         if not sizes or any(m < 1 for m in sizes):
             raise PlanningError(f"microbatch sizes {list(sizes)} must be positive integers; give at least one")
-        if self.schedule is not None and self.schedule not in SUPPORTED_SCHEDULES:
-            raise PlanningError(f"schedule {self.schedule.value!r} is not supported by the engine; use one of {[s.value for s in SUPPORTED_SCHEDULES]}")
         if self.layer_counts is not None and any(c < 1 for c in self.layer_counts):
             raise PlanningError(f"layer_counts {list(self.layer_counts)}: every stage needs at least one layer")
 
@@ -222,11 +225,10 @@ def _unshard_where_it_fits(ctx: CostContext, plan: Plan) -> Plan:
     for i, stage in enumerate(stages):
         if stage.sharding is Sharding.NONE:
             continue
-        trial = replace(plan, stages=tuple(stages[:i] + [_unsharded(stage)] + stages[i + 1 :]))
-        memory = stage_memory(ctx, trial, i, tuple(0.0 for _ in stage.ranks))
+        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), _unsharded(stage))
         if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
             stages[i] = _unsharded(stage)
-    return replace(plan, stages=tuple(stages))
+    return plan if stages == list(plan.stages) else replace(plan, stages=tuple(stages))
 
 
 def _unsharded(stage: StagePlan) -> StagePlan:
