@@ -26,14 +26,26 @@ from zorse_lightning.reporting.plan_table import plan_table
 from zorse_lightning.reporting.timeline import draw_plan_timeline
 
 
+_LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _confine_children_to_this_job(output_dir: Path) -> None:
     """Under ``--multirun``, Lightning's subprocess launcher re-runs the command line, sweep included.
 
     It builds the children's command from ``sys.argv`` and ``hydra.run.dir``: point both at this job
     alone, so each child joins its own job and writes into this job's directory.
     """
+    import os
     import sys
 
+    import torch.distributed as dist
+
+    # A previous job of the sweep ran in this process: its process group and the variables
+    # Lightning's launcher exported (which would make this job believe it is a child) must go.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name in _LAUNCHER_VARIABLES:
+        os.environ.pop(name, None)
     hydra_cfg = HydraConfig.get()
     sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
     with read_write(hydra_cfg):

@@ -37,6 +37,7 @@ from zorse_lightning.glue.accelerator import resolve_accelerator
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
+from zorse_lightning.glue.precision import PrecisionChoice, resolve_precision
 from zorse_lightning.glue.sampler import PlanBatchSampler, SamplerState, plan_dataloader
 from zorse_lightning.glue.stage_emulation import StageEmulation
 from zorse_lightning.planner.plan import Plan
@@ -59,11 +60,14 @@ class ZorseStrategy(ParallelStrategy):
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: StartMethod = "popen",
         schedule: str | None = None,
+        precision: str = "auto",
         **kwargs: Any,
     ) -> None:
         """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
         start); ``block_path``: attribute path of the block list (else found); ``seed``: of the sampler's
-        shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated)."""
+        shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated);
+        ``precision``: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU),
+        or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``."""
         if cluster is None and "environment" in kwargs:
             kwargs["cluster_environment"] = kwargs.pop("environment")
         if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
@@ -77,6 +81,8 @@ class ZorseStrategy(ParallelStrategy):
         """The profile measured at start-up (rank 0 only; None when a plan was given)."""
         self._planner_options = planner_options
         self._schedule_override = schedule
+        self._precision = precision
+        self._precision_choice: PrecisionChoice | None = None
         self.block_path = block_path
         self.seed = seed
         self._emulate = emulate
@@ -109,6 +115,13 @@ class ZorseStrategy(ParallelStrategy):
                 "test/predict); pass plan=... to fix it in advance"
             )
         return self._plan
+
+    @property
+    def precision_choice(self) -> PrecisionChoice:
+        """The precision every rank trains in, and why (also in the plan's notes)."""
+        if self._precision_choice is None:
+            raise RuntimeError("ZorseStrategy.precision_choice is made at setup, once the ranks' devices are known")
+        return self._precision_choice
 
     @property
     def emulation(self) -> StageEmulation | None:
@@ -186,6 +199,7 @@ class ZorseStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
+        self._set_precision()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -197,11 +211,26 @@ class ZorseStrategy(ParallelStrategy):
             if self._plan_source is not None:
                 self._set_plan(resolve_plan(self._plan_source, self.inventory, self.world_size))
 
+    def _set_precision(self) -> None:
+        if self.inventory is not None:
+            gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
+        else:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, self.accelerator.describe_rank(self.global_rank, self.local_rank).gpu_type)
+            gpu_types = [t for t in gathered if t is not None]
+        plugin, self._precision_choice = resolve_precision(
+            self._precision, self.precision_plugin, gpu_types, self.root_device.type
+        )
+        plugin.parameters = lambda: self.engine.local_parameters()
+        self.precision_plugin = plugin
+
     def _set_plan(self, plan: Plan) -> None:
         if self.inventory is not None:
             check_plan_against(plan, self.inventory)
         if self._schedule_override is not None:
             plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
+        if self._precision_choice is not None and self._precision_choice.note not in plan.notes:
+            plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
         self._plan = plan
         groups = build_groups(plan, self.global_rank, self._timeout)
         self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
@@ -259,7 +288,7 @@ class ZorseStrategy(ParallelStrategy):
     def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
         if not self.engine.prepared:
             self._prepare_engine(batch, batch_idx)
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        scale = self.precision_plugin.loss_scale_value / self.lightning_module.trainer.accumulate_grad_batches
         earlier = self._set_gradients_aside()
         with self.precision_plugin.train_step_context():
             loss = self._captured(lambda step: self.engine.run(batch, step, scale), "training_step", batch_idx, *rest)

@@ -1,0 +1,116 @@
+"""The timeline simulation against the cost model and the schedule's rules."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.planner import CostContext, EventKind, Plan, StagePlan, make_plan, plan_cost, simulate
+from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
+
+from test_planner_fixtures import profile_for
+
+
+def _profile(output_bytes: int) -> ModelProfile:
+    """Six layers of 1 ms forward and 2 ms backward per sample on the A100, twice on the T4."""
+    layer = BlockShape("layer", 1000, 1000, output_bytes, 1.0)
+    edge = BlockShape("edge", 0, 0, output_bytes, 0.0)
+
+    def device(name: str, slope: float) -> DeviceTimes:
+        times = BlockTimes(TimeCurve(slope, 0.0), TimeCurve(2 * slope, 0.0))
+        return DeviceTimes(name, ProfileSource.MEASURED, times, (times,) * 6, times)
+
+    devices = {"a100x40": device("a100x40", 1.0), "t4": device("t4", 2.0)}
+    # embedding and head as costly as a layer: stages of two blocks each below are equal
+    return ModelProfile("sim", 8, "float16", edge, (layer,) * 6, edge, devices)
+
+
+def _inventory() -> ClusterInventory:
+    a100, t4 = DEFAULT_CATALOG.get("a100x40"), DEFAULT_CATALOG.get("t4")
+    return ClusterInventory("sim", (Machine("box", (a100, a100, a100, t4, t4), intra_bandwidth_gbps=100.0),))
+
+
+def _stage(ranks, layers, counts) -> StagePlan:
+    types = tuple("a100x40" if r < 3 else "t4" for r in ranks)
+    return StagePlan(tuple(ranks), types, ("box",) * len(ranks), layers, tuple(counts))
+
+
+def _textbook_plan(schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:
+    """Three A100 stages of equal work: embedding + 1 layer, 2 layers, 1 layer + head."""
+    stages = (_stage([0], (0, 1), [8]), _stage([1], (1, 3), [8]), _stage([2], (3, 4), [8]))
+    return Plan("sim", "sim", 4, 5, 8, 1, schedule, stages, idle_ranks=(3, 4))
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+def test_textbook_pipeline_without_transfers(schedule: Schedule) -> None:
+    profile = replace(_profile(0), layers=_profile(0).layers[:4])
+    ctx = CostContext.build(_inventory(), profile)
+    plan = replace(_textbook_plan(schedule), num_layers=4)
+    timeline = simulate(ctx, plan)
+    per_microbatch = 2 * (1 + 2)  # two blocks, forward 1 ms + backward 2 ms each
+    assert timeline.makespan_ms == pytest.approx((8 + 3 - 1) * per_microbatch)
+    assert timeline.makespan_ms == pytest.approx(plan_cost(ctx, plan).iteration_ms)
+
+
+def test_data_parallel_stage_is_busy_time_plus_all_reduce() -> None:
+    ctx = CostContext.build(_inventory(), _profile(0))
+    plan = Plan("sim", "sim", 6, 5, 10, 1, Schedule.ONE_F_ONE_B, (_stage([0, 1, 2, 3, 4], (0, 6), [3, 3, 2, 1, 1]),))
+    timeline = simulate(ctx, plan)
+    cost = plan_cost(ctx, plan)
+    assert cost.sync_ms > 0
+    assert timeline.makespan_ms == pytest.approx(cost.iteration_ms)
+    allreduces = [e for e in timeline.events if e.kind is EventKind.ALLREDUCE]
+    assert len(allreduces) == 5 and len({(e.start_ms, e.end_ms) for e in allreduces}) == 1
+
+
+def _check_schedule_rules(plan: Plan, timeline) -> None:
+    compute = [e for e in timeline.events if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)]
+    stage_of = {r: i for i, s in enumerate(plan.stages) for r in s.ranks}
+    # every microbatch once forward and once backward on every stage
+    counts = Counter((stage_of[e.rank], e.kind, e.microbatch) for e in compute)
+    assert len(counts) == 2 * len(plan.stages) * plan.num_microbatches and set(counts.values()) == {1}
+    # a rank computes one thing at a time
+    for rank in stage_of:
+        mine = sorted((e.start_ms, e.end_ms) for e in compute if e.rank == rank)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(mine, mine[1:]))
+    # forward follows the previous stage's forward, backward the next stage's backward
+    when = {(stage_of[e.rank], e.kind, e.microbatch): e for e in compute}
+    for (s, kind, j), event in when.items():
+        if kind is EventKind.FORWARD and s > 0:
+            assert event.start_ms >= when[(s - 1, kind, j)].end_ms - 1e-9
+        if kind is EventKind.BACKWARD and s < len(plan.stages) - 1:
+            assert event.start_ms >= when[(s + 1, kind, j)].end_ms - 1e-9
+        if kind is EventKind.BACKWARD:
+            assert event.start_ms >= when[(s, EventKind.FORWARD, j)].end_ms - 1e-9
+
+
+@pytest.mark.parametrize("name", ["a10g_l4_t4", "mix32_4types", "cpu_sim4"])
+def test_planned_timelines_follow_the_schedule(name: str) -> None:
+    inventory = load_cluster(name)
+    profile = profile_for(inventory)
+    plan = make_plan(inventory, profile, 64)
+    ctx = CostContext.build(inventory, profile)
+    timeline = simulate(ctx, plan)
+    _check_schedule_rules(plan, timeline)
+    cost = plan_cost(ctx, plan)
+    # no schedule beats the busiest stage's work plus its synchronisation
+    assert timeline.makespan_ms >= max(s.busy_ms for s in cost.stages) - 1e-9
+    assert timeline.predicted_iteration_ms == pytest.approx(cost.iteration_ms)
+
+
+def test_gpipe_runs_every_forward_before_any_backward() -> None:
+    ctx = CostContext.build(_inventory(), _profile(4000))
+    stages = (_stage([0, 3], (0, 3), [5, 3]), _stage([1, 2, 4], (3, 6), [2, 3, 3]))
+    plan = Plan("sim", "sim", 6, 5, 8, 1, Schedule.GPIPE, stages)
+    timeline = simulate(ctx, plan)
+    _check_schedule_rules(plan, timeline)
+    for rank in range(5):
+        kinds = [e.kind for e in timeline.of_rank(rank) if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)]
+        assert kinds == sorted(kinds, key=lambda k: k is EventKind.BACKWARD)
+    sends = [e for e in timeline.events if e.kind is EventKind.SEND]
+    assert len(sends) == 2 * 8  # each microbatch's activation forward and its gradient back
