@@ -102,15 +102,16 @@ def make_plan(
             break
         heuristic = _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options)
         best = _faster(best, heuristic)
-        scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule))
+        scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
-    for _, bound, _, layout, m, schedule in sorted(scored):
+    for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
         if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
             continue
         for recompute in (False, True):
             candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
             problem, groups = build_problem(ctx, windows, candidate, global_batch_size, options.layer_counts)
-            assignment = solve_assignment(problem, options.solver_time_limit_s)
+            start = _start_from(heuristic, groups) if heuristic and heuristic.stages[0].recompute == recompute else None
+            assignment = solve_assignment(problem, options.solver_time_limit_s, start)
             solves += 1
             if assignment is not None:
                 plan = _unshard_where_it_fits(ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes))
@@ -129,6 +130,16 @@ def _faster(a: Plan | None, b: Plan | None) -> Plan | None:
     if a is None or (b is not None and b.predicted.iteration_ms < a.predicted.iteration_ms):
         return b
     return a
+
+
+def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
+    """A plan's layer counts and per-group microbatches, as a start for the program."""
+    counts = tuple(s.num_layers for s in plan.stages)
+    shares = tuple(
+        tuple(sum(dict(zip(stage.ranks, stage.microbatches_per_rank))[r] for r in group) for group in stage_groups)
+        for stage, stage_groups in zip(plan.stages, groups)
+    )
+    return counts, shares
 
 
 def _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
