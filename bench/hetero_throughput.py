@@ -18,6 +18,15 @@ For each cluster, in one set of processes (one per rank, gloo, one thread each):
   emulated compute time alone (calibrated cost x slowdown, without the
   optimizer step and framework overhead): an upper bound of the ideal.
 
+Each run calibrates its CPU costs anew, at its first step, with all ranks
+calibrating at once on the shared cores: runs differ in absolute speed by
+whatever contention their calibration met (measured here: up to 1.6x). So each
+run also reports the ideal computed from its *own* agreed costs (emulated
+compute over the timed steps, / slowdown, summed over ranks = the model's cost
+per sample; see :meth:`StepClock.ideal_samples_per_s`), and
+``zorse_over_its_own_ideal`` / ``ddp_over_its_own_ideal`` compare each run
+with the ideal of the same calibration: the figures to compare across runs.
+
 Throughput is the global batch over the median step time after ``--warmup``
 steps (the first steps cut the model, calibrate and agree costs). The model is
 a GPT whose blocks take milliseconds per sample, so the emulation's per-call
@@ -36,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,11 +67,16 @@ class BenchConfig:
     per_rank_batch: int = 8
     """DDP's batch per rank; the zorse global batch is this x the number of ranks, as with DDP."""
     warmup: int = 2
-    steps: int = 6
+    steps: int = 5
     """Timed steps after warm-up (the median is kept)."""
-    width: int = 192
-    layers: int = 8
-    seq_len: int = 64
+    solo_steps: int = 3
+    """Timed steps of each type alone (after one warm-up step)."""
+    width: int = 256
+    layers: int = 4
+    seq_len: int = 128
+    """Wide and long enough that a block's CPU cost per sample barely depends on the microbatch size
+    (measured here: 1.27x at 1 sample, 1.03x at 4, against 8), since the emulator calibrates per-sample
+    costs at the first call's size."""
     vocab: int = 256
     solver_time_limit_s: float = 5.0
 
@@ -76,17 +91,36 @@ class BenchConfig:
 
 
 class StepClock(pl.Callback):
-    """Wall time between the ends of consecutive training steps."""
+    """Wall time between the ends of consecutive training steps, and this rank's emulated compute."""
 
-    def __init__(self) -> None:
+    def __init__(self, emulator: Callable[[pl.Trainer], ComputeEmulator]) -> None:
+        self.emulator = emulator
         self.ends: list[float] = []
+        self.emulated_s: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends.append(time.perf_counter())
+        self.emulated_s.append(self.emulator(trainer).emulated_compute_s)
 
     def median_step_s(self, warmup: int) -> float:
         intervals = [b - a for a, b in zip(self.ends, self.ends[1:])]
         return statistics.median(intervals[max(warmup - 1, 0):])
+
+    def ideal_samples_per_s(self, trainer: pl.Trainer, cluster: str, warmup: int, samples_per_step: int) -> float:
+        """The ideal on this run's own calibrated costs (collective).
+
+        Each rank's emulated compute over the timed steps, divided by its
+        slowdown, is the CPU cost of the part of the model it ran; summed over
+        ranks it is the whole model's cost ``C`` per sample times the samples
+        trained. A rank alone trains ``1 / (slowdown x C)`` samples per second.
+        """
+        inventory = load_cluster(cluster)
+        slowdown = emulation_spec_for_rank(inventory, trainer.global_rank).slowdown
+        mine = (self.emulated_s[-1] - self.emulated_s[warmup - 1]) / slowdown
+        total = float(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.float64), reduce_op="sum"))
+        cost_s_per_sample = total / (samples_per_step * (len(self.emulated_s) - warmup))
+        return sum(1.0 / (emulation_spec_for_rank(inventory, r).slowdown * cost_s_per_sample)
+                   for r in range(inventory.world_size))
 
 
 def _trainer(strategy, world_size: int, config: BenchConfig, callbacks: list, root: str) -> pl.Trainer:
@@ -98,7 +132,7 @@ def _trainer(strategy, world_size: int, config: BenchConfig, callbacks: list, ro
 
 
 def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
-    clock = StepClock()
+    clock = StepClock(lambda trainer: trainer.strategy.emulation.emulator)
     strategy = ZorseStrategy(cluster=cluster, planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s))
     trainer = _trainer(strategy, world_size, config, [clock], root)
     loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
@@ -108,6 +142,7 @@ def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) ->
     overruns = strategy.all_gather(torch.tensor(emulator.overruns)).reshape(-1).tolist()
     return {
         "samples_per_s": plan.global_batch_size / clock.median_step_s(config.warmup),
+        "ideal_samples_per_s": clock.ideal_samples_per_s(trainer, cluster, config.warmup, plan.global_batch_size),
         "plan": {
             "microbatch_size": plan.microbatch_size,
             "stages": [
@@ -121,13 +156,15 @@ def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) ->
 
 
 def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
-    clock, emulate = StepClock(), EmulateCluster(cluster)
+    emulate = EmulateCluster(cluster)
+    clock = StepClock(lambda trainer: emulate.emulator)
     trainer = _trainer("ddp", world_size, config, [clock, emulate], root)
     loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
     trainer.fit(config.model(), train_dataloaders=loader)
     overruns = trainer.strategy.all_gather(torch.tensor(emulate.emulator.overruns)).reshape(-1).tolist()
     return {
         "samples_per_s": config.per_rank_batch * world_size / clock.median_step_s(config.warmup),
+        "ideal_samples_per_s": clock.ideal_samples_per_s(trainer, cluster, config.warmup, config.per_rank_batch * world_size),
         "overruns_per_rank": overruns,
     }
 
@@ -143,28 +180,39 @@ def _worker(rank: int, cluster: str, world_size: int, port: int, config: BenchCo
         Path(out_dir, "result.json").write_text(json.dumps(result))
 
 
-def solo_samples_per_s(cluster: str, rank: int, config: BenchConfig) -> tuple[float, float]:
-    """(measured, from emulated compute only) samples/s of ``rank`` training the whole model alone."""
+def solo_samples_per_s(cluster: str, config: BenchConfig) -> dict[str, tuple[float, float]]:
+    """Per GPU type: (measured, from emulated compute only) samples/s of one rank training the model alone.
+
+    One emulator serves every type in turn (only its speed changes), so the CPU
+    cost is calibrated once and the types' rates differ by their slowdowns alone,
+    not by the contention each calibration happened to meet.
+    """
     inventory = load_cluster(cluster)
     model = config.model()
-    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank)
+    first_of_type: dict[str, int] = {}
+    for rank, gpu in enumerate(inventory.gpus):
+        first_of_type.setdefault(gpu.gpu_type.name, rank)
+    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0))
     emulator.instrument(emulated_modules(model))
     optimizer = model.configure_optimizers()
     inputs, targets = config.dataset(1)[: config.per_rank_batch]
-    step_s, emulated_s = [], []
-    for _ in range(config.warmup + config.steps):
-        before, start = emulator.emulated_compute_s, time.perf_counter()
-        model._loss((inputs, targets)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        step_s.append(time.perf_counter() - start)
-        emulated_s.append(emulator.emulated_compute_s - before)
+    rates = {}
+    for name, rank in first_of_type.items():
+        emulator.spec = emulation_spec_for_rank(inventory, rank)
+        step_s, emulated_s = [], []
+        for _ in range(1 + config.solo_steps):
+            before, start = emulator.emulated_compute_s, time.perf_counter()
+            model._loss((inputs, targets)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step_s.append(time.perf_counter() - start)
+            emulated_s.append(emulator.emulated_compute_s - before)
+        rates[name] = (
+            config.per_rank_batch / statistics.median(step_s[1:]),
+            config.per_rank_batch / statistics.median(emulated_s[1:]),
+        )
     emulator.remove()
-    timed = slice(config.warmup, None)
-    return (
-        config.per_rank_batch / statistics.median(step_s[timed]),
-        config.per_rank_batch / statistics.median(emulated_s[timed]),
-    )
+    return rates
 
 
 def _free_port() -> int:
@@ -176,11 +224,8 @@ def _free_port() -> int:
 def bench_cluster(cluster: str, config: BenchConfig) -> dict:
     inventory = load_cluster(cluster)
     world_size = inventory.world_size
-    first_of_type = {}
-    for rank, gpu in enumerate(inventory.gpus):
-        first_of_type.setdefault(gpu.gpu_type.name, rank)
     torch.set_num_threads(1)
-    solo = {name: solo_samples_per_s(cluster, rank, config) for name, rank in first_of_type.items()}
+    solo = solo_samples_per_s(cluster, config)
     ideal = sum(solo[g.gpu_type.name][0] for g in inventory.gpus)
     ideal_from_costs = sum(solo[g.gpu_type.name][1] for g in inventory.gpus)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -195,6 +240,8 @@ def bench_cluster(cluster: str, config: BenchConfig) -> dict:
         "zorse_over_ideal": round(zorse / ideal, 4),
         "ddp_over_ideal": round(ddp / ideal, 4),
         "ideal_from_costs_samples_per_s": round(ideal_from_costs, 3),
+        "zorse_over_its_own_ideal": round(zorse / runs["zorse"]["ideal_samples_per_s"], 4),
+        "ddp_over_its_own_ideal": round(ddp / runs["ddp"]["ideal_samples_per_s"], 4),
         "solo_samples_per_s": {name: round(rates[0], 3) for name, rates in solo.items()},
         "plan": runs["zorse"]["plan"],
         "overruns": {"zorse": runs["zorse"]["overruns_per_rank"], "ddp": runs["ddp"]["overruns_per_rank"]},

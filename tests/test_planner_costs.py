@@ -15,7 +15,7 @@ from zorse_lightning.planner.comm import (
     ring_reduce_scatter_ms,
     transfer_ms,
 )
-from zorse_lightning.planner.compute import pipeline_ms, stage_microbatch_times
+from zorse_lightning.planner.compute import pipeline_ms, round_trip_busy_ms, stage_microbatch_times
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, routes
 from zorse_lightning.planner.memory import reserve_gib
 from zorse_lightning.planner.plan import Plan, StagePlan
@@ -101,6 +101,15 @@ def test_pipeline_formula_matches_textbook() -> None:
     assert pipeline_ms([3, 0, 3, 0, 3], [24, 0, 24, 0, 24]) == pytest.approx((8 + 3 - 1) * 3)
     # one stage: its busy time
     assert pipeline_ms([5], [40]) == pytest.approx(40)
+
+
+def test_round_trip_limit_of_1f1b() -> None:
+    # 8 microbatches of 1 ms, 2 in flight, 3 ms of later stages and transfers: a backward
+    # returns every 4 ms, so two microbatches per 4 ms: span 16 ms, of which 3 are latency
+    assert round_trip_busy_ms([1.0], [8], [2], 3.0) == pytest.approx(8 * (1 + 3) / 2 - 3)
+    # first of four equal stages without transfers: never above its own work
+    assert round_trip_busy_ms([1.0], [8], [4], 3.0) <= 8.0
+    assert round_trip_busy_ms([1.0, 2.0], [0, 3], [1, 1], 0.0) == pytest.approx(6.0)
 
 
 def test_routes_pair_contiguous_microbatch_ranges() -> None:

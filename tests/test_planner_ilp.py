@@ -124,3 +124,15 @@ def test_infeasible_instances_are_reported_as_none() -> None:
     group = GroupCosts(1, (1.0, 2.0), (10.0, 20.0), (1.0, 1.0), capacity_bytes=5.0)
     stage = StageCosts((group,), (1.0, 2.0), (0.0, 0.0), (0.0, 0.0), None)
     assert solve_assignment(AssignmentProblem(2, 2, (stage,)), time_limit_s=5) is None
+
+
+@pytest.mark.parametrize("seed", range(40, 50))
+def test_warm_start_does_not_change_the_optimum(seed: int) -> None:
+    problem = random_problem(random.Random(seed))
+    expected = brute_force(problem)
+    counts = next(_compositions(problem.num_layers, len(problem.stages)))
+    shares = tuple((problem.num_microbatches,) + (0,) * (len(s.groups) - 1) for s in problem.stages)
+    solved = solve_assignment(problem, time_limit_s=20, start=(counts, shares))
+    assert (solved is None) == (expected is None)
+    if expected is not None:
+        assert solved.objective_ms == pytest.approx(expected, rel=1e-6, abs=1e-6)

@@ -89,7 +89,7 @@ def _check_schedule_rules(plan: Plan, timeline) -> None:
             assert event.start_ms >= when[(s, EventKind.FORWARD, j)].end_ms - 1e-9
 
 
-@pytest.mark.parametrize("name", ["a10g_l4_t4", "mix32_4types", "cpu_sim4"])
+@pytest.mark.parametrize("name", ["a10g_l4_t4", "a100x4_v100x4", "mix32_4types", "cpu_sim4"])
 def test_planned_timelines_follow_the_schedule(name: str) -> None:
     inventory = load_cluster(name)
     profile = profile_for(inventory)
@@ -101,6 +101,11 @@ def test_planned_timelines_follow_the_schedule(name: str) -> None:
     # no schedule beats the busiest stage's work plus its synchronisation
     assert timeline.makespan_ms >= max(s.busy_ms for s in cost.stages) - 1e-9
     assert timeline.predicted_iteration_ms == pytest.approx(cost.iteration_ms)
+    if name in ("a10g_l4_t4", "a100x4_v100x4"):
+        # where compute outweighs transfers the closed form tracks the schedule closely
+        # (measured: mix32_4types 0.90, whose shared links the simulation overlaps;
+        # cpu_sim4 1.2, whose transfers outlast the compute)
+        assert timeline.makespan_ms == pytest.approx(cost.iteration_ms, rel=0.03)
 
 
 def test_gpipe_runs_every_forward_before_any_backward() -> None:

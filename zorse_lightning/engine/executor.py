@@ -41,6 +41,12 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
+def _holds_loss(output: Any) -> bool:
+    """Whether an evaluation step returned a loss (a scalar, or a dict with one), not predictions."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    return isinstance(loss, torch.Tensor) and loss.dim() == 0
+
+
 @torch.no_grad()
 def broadcast_module(module: nn.Module, src: int = 0) -> None:
     """Give every rank ``src``'s weights (random init differs per process; pretrained weights too)."""
@@ -154,7 +160,7 @@ class PipelineEngine:
                 if self.groups.is_last_stage:
                     if outputs is not None:
                         outputs[j] = output
-                    if train or isinstance(output, (torch.Tensor, dict)):
+                    if train or _holds_loss(output):
                         loss = loss_of(output)
                         loss_sum += loss.detach().float() * weight
                         output = loss * (weight * loss_scale)

@@ -83,18 +83,29 @@ def _first_block_input(strategy: Any, blocks: BlockList, batch: Any) -> torch.Te
 
 
 def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, inventory: ClusterInventory):
+    """This rank's profile if it is the first of its GPU type, else None (collective when emulated).
+
+    Emulated ranks calibrate the blocks' CPU cost first and agree on it (the
+    minimum over ranks) before timing: every type is then timed on the same CPU
+    cost, and the profile's ratios between types are exactly their speed ratios,
+    not those ratios times whatever contention each process met while calibrating.
+    """
     from zorse_lightning.profiling.measure import MeasureOptions, measure_blocks
 
     rank = strategy.global_rank
     my_type = inventory.gpus[rank].gpu_type.name
-    if next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) != rank:
-        return None
+    measures = next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) == rank
     measured_blocks = copy.deepcopy(blocks.blocks)
     emulator = None
     if inventory.emulated and strategy.root_device.type == "cpu":
         emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank)
         emulator.instrument(measured_blocks)
+        if measures:
+            _calibrate(measured_blocks, example)
+        emulator.agree_costs()
     try:
+        if not measures:
+            return None
         return measure_blocks(
             measured_blocks, example, device=strategy.root_device, gpu_type=my_type,
             options=MeasureOptions(**PROFILE_OPTIONS), cache_dir=None,
@@ -102,6 +113,15 @@ def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, in
     finally:
         if emulator is not None:
             emulator.remove()
+
+
+def _calibrate(blocks: list[torch.nn.Module], example: torch.Tensor) -> None:
+    """One call per block at the profile's largest microbatch: the emulator calibrates each at first call."""
+    size = PROFILE_OPTIONS["max_microbatch_size"]
+    with torch.no_grad():
+        x = example.expand(size, *example.shape[1:]).clone()
+        for block in blocks:
+            x = block(x)
 
 
 def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:

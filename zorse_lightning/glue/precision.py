@@ -40,6 +40,11 @@ class PrecisionMode(str, Enum):
     FP16 = "16-mixed"
 
 
+_AUTOCAST_DTYPE: dict[PrecisionMode, torch.dtype | None] = {
+    PrecisionMode.FP32: None, PrecisionMode.BF16: torch.bfloat16, PrecisionMode.FP16: torch.float16
+}
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     mode: PrecisionMode
@@ -134,8 +139,7 @@ class ZorsePrecision(Precision):
 
     @classmethod
     def for_mode(cls, mode: PrecisionMode, device_type: str) -> ZorsePrecision:
-        dtype = {PrecisionMode.FP32: None, PrecisionMode.BF16: torch.bfloat16, PrecisionMode.FP16: torch.float16}[mode]
-        return cls(dtype, device_type, DynamicLossScale() if mode is PrecisionMode.FP16 else None)
+        return cls(_AUTOCAST_DTYPE[mode], device_type, DynamicLossScale() if mode is PrecisionMode.FP16 else None)
 
     @property
     def loss_scale_value(self) -> float:
@@ -185,8 +189,8 @@ def resolve_precision(
     and otherwise chooses; an explicit mode is checked against the cluster.
     """
     if isinstance(lightning_plugin, ZorsePrecision):
-        mode = PrecisionMode.FP32 if lightning_plugin.autocast_dtype is None else None
-        return lightning_plugin, PrecisionChoice(mode or PrecisionMode(_mode_of(lightning_plugin)), "given as a plugin")
+        mode = next(m for m, dtype in _AUTOCAST_DTYPE.items() if dtype == lightning_plugin.autocast_dtype)
+        return lightning_plugin, PrecisionChoice(mode, "given as a plugin")
     if requested == "auto" and isinstance(lightning_plugin, MixedPrecision):
         requested = lightning_plugin.precision
     if requested == "auto":
@@ -202,7 +206,3 @@ def resolve_precision(
         check_requested(mode, gpu_types, device_type)
         choice = PrecisionChoice(mode, "asked for")
     return ZorsePrecision.for_mode(choice.mode, device_type), choice
-
-
-def _mode_of(plugin: ZorsePrecision) -> str:
-    return PrecisionMode.BF16.value if plugin.autocast_dtype == torch.bfloat16 else PrecisionMode.FP16.value

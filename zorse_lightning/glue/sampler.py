@@ -60,7 +60,9 @@ class PlanBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.dataset_size, generator=generator).tolist()
 
     def __len__(self) -> int:
-        return (self.dataset_size - self.skip_samples) // self.plan.global_batch_size
+        """Global batches of the whole epoch, those trained before a resume included: Lightning counts its
+        progress through the epoch from the checkpoint on, and would end a shorter epoch early."""
+        return self.dataset_size // self.plan.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.epoch_order()

@@ -24,6 +24,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -237,7 +238,8 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        # Once cut, other stages' weights are meta tensors (no data, nothing to move).
+        self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
     # -- data ------------------------------------------------------------------------------
 
@@ -323,9 +325,12 @@ class ZorseStrategy(ParallelStrategy):
         return [outputs[j] for j in sorted(outputs)] if outputs else None
 
     def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
+        """The cut is probed on a loss (its graph shows what crosses the stages): the training step gives
+        one, where ``validation_step`` may only log and ``predict_step`` return no gradient."""
+        probe = "training_step" if is_overridden("training_step", self.lightning_module) else hook
         silent = LogCapture(self.plan.microbatch_size)
         with capturing_logs(self.lightning_module, silent), torch.enable_grad():
-            self.engine.prepare(batch, self._microbatch_step(hook, batch_idx))
+            self.engine.prepare(batch, self._microbatch_step(probe, batch_idx))
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
@@ -418,8 +423,8 @@ class ZorseStrategy(ParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         sampler = (checkpoint.get("zorse") or {}).get("sampler")
         if sampler:
             self._samples_done = sampler["samples_done"]

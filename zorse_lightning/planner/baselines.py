@@ -21,7 +21,8 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan, speed_by_type
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.problem import layout_plan, stage_plan
 from zorse_lightning.planner.search import PlannerOptions, make_plan
 from zorse_lightning.profiling.profile import ModelProfile
 
@@ -43,15 +44,9 @@ def data_parallel_equal(
     if global_batch_size % world:
         return None
     per_gpu = global_batch_size // world
-    stage = StagePlan(
-        ranks=tuple(range(world)),
-        gpu_types=tuple(g.gpu_type.name for g in inventory.gpus),
-        machines=tuple(g.machine for g in inventory.gpus),
-        layers=(0, profile.num_layers),
-        microbatches_per_rank=(1,) * world,
-    )
-    plan = Plan(profile.model, inventory.name, profile.num_layers, world, global_batch_size, per_gpu,
-                Schedule.ONE_F_ONE_B, (stage,), solver=HEURISTIC, notes=("baseline: data parallel, equal batches",))
+    stage = stage_plan(ctx, tuple(range(world)), (0, profile.num_layers), (1,) * world, Sharding.NONE, False)
+    notes = ("baseline: data parallel, equal batches",)
+    plan = layout_plan(ctx, [stage], global_batch_size, per_gpu, Schedule.ONE_F_ONE_B, solver=HEURISTIC, notes=notes)
     return priced(ctx, plan)
 
 

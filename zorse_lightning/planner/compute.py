@@ -10,7 +10,9 @@ Each element ``e`` has
   (stage: the slowest rank that processes microbatches, ``max_r f_r + b_r``;
   boundary: one activation transfer forward plus one gradient transfer back);
 * a busy time ``T_e`` per iteration (stage: ``max_r n_r (f_r + b_r)`` over its ranks
-  with ``n_r`` microbatches each; boundary: its busiest link's total transfer time).
+  with ``n_r`` microbatches each, or more when its in-flight limit makes it wait for
+  gradients, see :func:`round_trip_busy_ms`; boundary: its busiest link's total
+  transfer time).
 
 Then::
 
@@ -80,6 +82,20 @@ def stage_busy_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
 def stage_latency_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
     """One microbatch through the stage on the slowest rank that processes any."""
     return max((t for n, t in zip(microbatches, microbatch_ms) if n > 0), default=0.0)
+
+
+def round_trip_busy_ms(microbatch_ms: list[float], microbatches: list[int], in_flight: list[int], downstream_ms: float) -> float:
+    """Busy time a stage needs because of its in-flight limit (1F1B).
+
+    A rank that may hold ``w`` microbatches starts a forward only once the backward
+    of the microbatch ``w`` earlier is back, a round trip ``t + d`` through itself and
+    the later elements (latency ``d``). Its span is then at least ``n (t + d) / w``,
+    of which the pipeline formula already counts ``d`` as latency of those elements.
+    Without transfers this never exceeds ``n t`` for the ``w = S - i`` of 1F1B; with
+    transfers it adds the stalls of a gradient's round trip.
+    """
+    spans = [n * (t + downstream_ms) / w for t, n, w in zip(microbatch_ms, microbatches, in_flight) if n > 0]
+    return max(spans, default=0.0) - downstream_ms
 
 
 def pipeline_ms(latencies_ms: list[float], busy_ms: list[float]) -> float:

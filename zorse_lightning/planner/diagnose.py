@@ -6,8 +6,9 @@ from __future__ import annotations
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, stage_memory
-from zorse_lightning.planner.grouping import Layout, unused_ranks
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.problem import layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.units import bytes_to_gib
 
@@ -21,23 +22,10 @@ def frugal_plan(ctx: CostContext, layout: Layout, microbatch_size: int, schedule
     num_m = global_batch_size // microbatch_size
     stages, start = [], 0
     for ranks, count in zip(layout, counts):
-        stages.append(
-            StagePlan(
-                ranks=ranks,
-                gpu_types=tuple(gpus[r].gpu_type.name for r in ranks),
-                machines=tuple(gpus[r].machine for r in ranks),
-                layers=(start, start + count),
-                microbatches_per_rank=tuple(proportional_counts(num_m, [gpus[r].memory_gib for r in ranks])),
-                sharding=Sharding.OPTIMIZER if len(ranks) > 1 else Sharding.NONE,
-                recompute=True,
-            )
-        )
+        microbatches = proportional_counts(num_m, [gpus[r].memory_gib for r in ranks])
+        stages.append(stage_plan(ctx, ranks, (start, start + count), microbatches, Sharding.OPTIMIZER, True))
         start += count
-    return Plan(
-        ctx.profile.model, ctx.inventory.name, ctx.profile.num_layers, ctx.inventory.world_size,
-        global_batch_size, microbatch_size, schedule, tuple(stages),
-        idle_ranks=unused_ranks(ctx.inventory.world_size, layout),
-    )
+    return layout_plan(ctx, stages, global_batch_size, microbatch_size, schedule)
 
 
 def infeasible_error(ctx: CostContext, layouts: list[Layout], sizes: list[int], schedule: Schedule, global_batch_size: int, options) -> PlanningError:

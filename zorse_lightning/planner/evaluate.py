@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.comm import LinkTable, stage_sync_ms, transfer_ms
-from zorse_lightning.planner.compute import MicrobatchTimes, pipeline_ms, stage_busy_ms, stage_latency_ms, stage_microbatch_times
+from zorse_lightning.planner.compute import (
+    MicrobatchTimes,
+    pipeline_ms,
+    round_trip_busy_ms,
+    stage_busy_ms,
+    stage_latency_ms,
+    stage_microbatch_times,
+)
 from zorse_lightning.planner.memory import (
     RankMemory,
     activation_bytes_per_microbatch,
@@ -181,6 +188,12 @@ def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
         if i < len(boundaries):
             latencies.append(2 * boundaries[i].transfer_ms)
             busy.append(boundaries[i].busy_ms)
+    for i, (stage_plan, stage) in enumerate(zip(plan.stages, stages)):
+        element = 2 * i  # stages and boundaries alternate
+        counts = list(stage_plan.microbatches_per_rank)
+        in_flight = [microbatches_in_flight(plan.schedule, len(stages), i, n) for n in counts]
+        waiting = round_trip_busy_ms([t.total_ms for t in stage.times], counts, in_flight, sum(latencies[element + 1 :]))
+        busy[element] = max(busy[element], waiting)
     return PlanCost(stages, boundaries, pipeline_ms(latencies, busy), max(s.sync_ms for s in stages))
 
 

@@ -12,9 +12,8 @@ from dataclasses import replace
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.grouping import unused_ranks
-from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
-from zorse_lightning.planner.problem import with_free_memory_shards
+from zorse_lightning.planner.plan import Plan, SolverRecord
+from zorse_lightning.planner.problem import layout_plan, stage_plan, with_free_memory_shards
 from zorse_lightning.planner.rounding import proportional_counts
 
 
@@ -40,29 +39,15 @@ def proportional_plan(
     """Layers per stage in proportion to the stage's summed speed, microbatches per GPU in
     proportion to its speed (largest-remainder rounding); not priced yet."""
     speeds = speeds or speed_by_type(ctx)
-    gpus = ctx.inventory.gpus
-    speed = [[speeds[gpus[r].gpu_type.name] for r in ranks] for ranks in layout]
+    speed = [[speeds[ctx.inventory.gpus[r].gpu_type.name] for r in ranks] for ranks in layout]
     layer_counts = proportional_counts(ctx.profile.num_layers, [sum(s) for s in speed], minimum=1)
     num_m = global_batch_size // microbatch_size
     stages, start = [], 0
     for ranks, stage_speed, count in zip(layout, speed, layer_counts):
-        stages.append(
-            StagePlan(
-                ranks=ranks,
-                gpu_types=tuple(gpus[r].gpu_type.name for r in ranks),
-                machines=tuple(gpus[r].machine for r in ranks),
-                layers=(start, start + count),
-                microbatches_per_rank=tuple(proportional_counts(num_m, stage_speed)),
-                sharding=sharding if len(ranks) > 1 else Sharding.NONE,
-                recompute=recompute,
-            )
-        )
+        microbatches = proportional_counts(num_m, stage_speed)
+        stages.append(stage_plan(ctx, ranks, (start, start + count), microbatches, sharding, recompute))
         start += count
-    plan = Plan(
-        ctx.profile.model, ctx.inventory.name, ctx.profile.num_layers, ctx.inventory.world_size,
-        global_batch_size, microbatch_size, schedule, tuple(stages), solver=HEURISTIC,
-        idle_ranks=unused_ranks(ctx.inventory.world_size, layout),
-    )
+    plan = layout_plan(ctx, stages, global_batch_size, microbatch_size, schedule, solver=HEURISTIC)
     return with_free_memory_shards(ctx, plan)
 
 

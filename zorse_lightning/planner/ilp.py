@@ -12,11 +12,14 @@ shares ``N`` microbatches as evenly as possible: the busiest holds
                 + max_s sync[s][k_s]
 
 the pipeline formula of :mod:`.compute` with each stage's latency taken over all
-its groups. Memory of every group: ``fixed[g][k] + activation[g][k] * f_g <=
-capacity_g`` with ``f_g = min(q_g, max_in_flight)`` (1F1B) or ``q_g`` (GPipe);
-when the stage shards optimizer state unevenly by free memory, the state must fit
-the stage's total free memory: ``sum_g c_g (capacity - fixed - activation * f_g)
->= sharded[k]``.
+its groups (the cost model takes only GPUs with microbatches, and adds the
+boundaries' busy time and 1F1B's round-trip waits: it prices the solution after).
+Memory of every group: ``fixed[g][k] + activation[g][k] * f_g <= capacity_g``
+with ``f_g = min(q_g, max_in_flight)`` (1F1B) or ``q_g`` (GPipe). When the stage
+shards optimizer state unevenly by free memory, the state must fit the stage's
+total free memory, ``sum_g c_g (capacity - fixed - activation * f_g) >=
+sharded[k]``, where under 1F1B ``f_g`` is taken at its largest allowed value (a
+constant, which keeps the program linear; conservative).
 """
 
 from __future__ import annotations
@@ -232,9 +235,8 @@ def solve_assignment(
         # 3.6 synchronisation after the last backward.
         prob += exposed_sync >= pulp.lpSum(stage.sync_ms[k - 1] * use[s, k] for k in options[s])
 
-    if start is not None:
-        _set_start(problem, options, start, use, total, busiest, copies, shares)
-    prob.solve(_cbc(pulp, time_limit_s, warm_start=start is not None))
+    warm = start is not None and _set_start(problem, options, start, use, total, busiest, copies, shares)
+    prob.solve(_cbc(pulp, time_limit_s, warm_start=warm))
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
     counts = tuple(next(k for k in options[s] if use[s, k].value() > 0.5) for s in range(len(problem.stages)))
@@ -246,16 +248,24 @@ def solve_assignment(
     return Assignment(counts, microbatches, objective, SolverRecord(SOLVER_NAME, quality, objective))
 
 
-def _set_start(problem, options, start, use, total, busiest, copies, shares) -> None:
+def _set_start(problem, options, start, use, total, busiest, copies, shares) -> bool:
+    """Give CBC the start's values; False (and nothing set) when it breaks a bound."""
     counts, microbatches = start
+    values = {}
     for s, stage in enumerate(problem.stages):
+        if counts[s] not in options[s]:
+            return False
         for k in options[s]:
-            use[s, k].setInitialValue(int(k == counts[s]))
+            values[use[s, k]] = int(k == counts[s])
         for g, group in enumerate(stage.groups):
             n = microbatches[s][g]
             q = math.ceil(n / group.count)
-            total[s, g].setInitialValue(n)
-            busiest[s, g].setInitialValue(q)
+            values[total[s, g]], values[busiest[s, g]] = n, q
             for k in options[s]:
-                copies[s, g, k].setInitialValue(q if k == counts[s] else 0)
-                shares[s, g, k].setInitialValue(n if k == counts[s] else 0)
+                values[copies[s, g, k]] = q if k == counts[s] else 0
+                values[shares[s, g, k]] = n if k == counts[s] else 0
+    if any(v.upBound is not None and value > v.upBound for v, value in values.items()):
+        return False
+    for variable, value in values.items():
+        variable.setInitialValue(value)
+    return True

@@ -167,6 +167,39 @@ def build_problem(
     return problem, all_groups
 
 
+def stage_plan(
+    ctx: CostContext, ranks: tuple[int, ...], layers: tuple[int, int], microbatches, sharding: Sharding, recompute: bool
+) -> StagePlan:
+    """A stage of ``ranks`` with their types and machines filled in; one-GPU stages are never sharded."""
+    gpus = [ctx.inventory.gpus[r] for r in ranks]
+    return StagePlan(
+        ranks=tuple(ranks),
+        gpu_types=tuple(g.gpu_type.name for g in gpus),
+        machines=tuple(g.machine for g in gpus),
+        layers=layers,
+        microbatches_per_rank=tuple(microbatches),
+        sharding=sharding if len(ranks) > 1 else Sharding.NONE,
+        recompute=recompute,
+    )
+
+
+def layout_plan(ctx: CostContext, stages, global_batch_size: int, microbatch_size: int, schedule: Schedule, **fields) -> Plan:
+    """A plan over the stages, every rank outside them idle."""
+    layout = tuple(s.ranks for s in stages)
+    return Plan(
+        model=ctx.profile.model,
+        cluster=ctx.inventory.name,
+        num_layers=ctx.profile.num_layers,
+        world_size=ctx.inventory.world_size,
+        global_batch_size=global_batch_size,
+        microbatch_size=microbatch_size,
+        schedule=schedule,
+        stages=tuple(stages),
+        idle_ranks=unused_ranks(ctx.inventory.world_size, layout),
+        **fields,
+    )
+
+
 def to_plan(
     ctx: CostContext,
     candidate: Candidate,
@@ -183,31 +216,11 @@ def to_plan(
         for group, share in zip(stage_groups_, shares):
             base, extra = divmod(share, len(group))
             per_rank.update({r: base + (i < extra) for i, r in enumerate(group)})
-        gpus = [ctx.inventory.gpus[r] for r in ranks]
-        stages.append(
-            StagePlan(
-                ranks=ranks,
-                gpu_types=tuple(g.gpu_type.name for g in gpus),
-                machines=tuple(g.machine for g in gpus),
-                layers=(start, start + count),
-                microbatches_per_rank=tuple(per_rank[r] for r in ranks),
-                sharding=candidate.sharding if len(ranks) > 1 else Sharding.NONE,
-                recompute=candidate.recompute,
-            )
-        )
+        microbatches = [per_rank[r] for r in ranks]
+        stages.append(stage_plan(ctx, ranks, (start, start + count), microbatches, candidate.sharding, candidate.recompute))
         start += count
-    plan = Plan(
-        model=ctx.profile.model,
-        cluster=ctx.inventory.name,
-        num_layers=ctx.profile.num_layers,
-        world_size=ctx.inventory.world_size,
-        global_batch_size=global_batch_size,
-        microbatch_size=candidate.microbatch_size,
-        schedule=candidate.schedule,
-        stages=tuple(stages),
-        solver=assignment.record,
-        notes=notes,
-        idle_ranks=unused_ranks(ctx.inventory.world_size, candidate.layout),
+    plan = layout_plan(
+        ctx, stages, global_batch_size, candidate.microbatch_size, candidate.schedule, solver=assignment.record, notes=notes
     )
     return with_free_memory_shards(ctx, plan)
 

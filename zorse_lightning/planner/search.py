@@ -1,16 +1,23 @@
-"""The planner's entry point: enumerate the outer choices, solve each with the integer
-program, price every solution in the cost model, keep the fastest.
+"""The planner's entry point: enumerate the outer choices, solve the most promising with
+the integer program, price every plan in the cost model, keep the fastest.
 
-Outer choices: stage layout and order (:mod:`.grouping`), microbatch size,
-schedule, sharding of the optimizer state, recomputation. Candidates are visited
-in order of a lower bound on their iteration time (all GPUs of the layout busy
-on their fastest layer, plus one layer of fill per other stage, plus the
-fastest boundary transfers); once the bound reaches the best plan found, the rest
-are skipped. Per candidate the program runs with sharded optimizer state (free
-in time in this model, it only saves memory) without recomputation, and with
-recomputation only when that does not fit; stages that also fit unsharded are
-then left unsharded. GPipe is tried only when pinned: its time equals 1F1B's and
-its memory is never smaller (see :mod:`.compute`).
+Candidates: stage layout and order (:mod:`.grouping`, and, where allowed, layouts
+that leave the slowest GPU types idle), microbatch size and schedule. Two phases:
+
+1. In increasing order of a lower bound on the iteration time (every GPU of the
+   layout busy on its fastest layer, one layer of fill per other stage, the fastest
+   boundary transfers), each candidate gets its proportional split priced
+   (:mod:`.heuristic`): an upper bound and a valid fallback plan. Candidates whose
+   bound reaches the best plan so far are skipped.
+2. The integer program runs for the candidates with the best proportional splits,
+   warm-started from them, at most ``max_programs`` times and only while their
+   bound is below the best plan. It runs with the optimizer state sharded (free in
+   time in this model: it only saves memory) and without recomputation, and with
+   recomputation only when that does not fit; stages that also fit unsharded are
+   then left unsharded.
+
+GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
+smaller (see :mod:`.compute`).
 """
 
 from __future__ import annotations
@@ -18,15 +25,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, Schedule, Sharding
+from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTS_IDLE_RANKS, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
 from zorse_lightning.planner.evaluate import CostContext, stage_memory
-from zorse_lightning.planner.heuristic import priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.ilp import solve_assignment
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.heuristic import priced, proportional_plan, speed_by_type
+from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
+from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import Candidate, WindowCosts, boundary_transfer_ms, build_problem, to_plan
 from zorse_lightning.profiling.profile import ModelProfile
 
@@ -45,6 +52,10 @@ class PlannerOptions:
     """Why pipelining is off; recorded in the plan's notes."""
     memory_reserve_gib: float | None = None
     """Per-GPU framework reserve; None: 0.5 GiB, scaled down on emulated clusters."""
+    allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
+    """Let plans leave the slowest GPU types idle when they would slow the rest down.
+    Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); set True for
+    planning studies only while the engine cannot run such plans."""
     max_stages: int = 16
     max_programs: int = 8
     """Integer programs to solve, most promising candidates (by their proportional split) first."""
@@ -119,7 +130,8 @@ def make_plan(
                 break
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
-    record = replace(best.solver, status=f"{best.solver.status}; {solves} programs solved")
+    found_by = best.solver.status if best.solver.name == SOLVER_NAME else "no program beat the proportional split"
+    record = SolverRecord(SOLVER_NAME, f"{found_by}; {solves} programs solved", best.solver.objective_ms)
     if best.idle_ranks:
         idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
         notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
@@ -183,14 +195,13 @@ def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
     speeds = speed_by_type(ctx)
     if options.stage_layout is not None:
         layouts = [tuple(tuple(sorted(s)) for s in options.stage_layout)]
-    elif not options.allow_pipeline:
-        layouts = [(ranks,) for ranks in fastest_type_subsets(ctx.inventory, speeds)]
     else:
-        layouts = [
-            layout
-            for ranks in fastest_type_subsets(ctx.inventory, speeds)
-            for layout in candidate_layouts(ctx.inventory, ctx.links, speeds, min(options.max_stages, num_layers), ranks)
-        ]
+        subsets = fastest_type_subsets(ctx.inventory, speeds) if options.allow_idle_ranks else [tuple(range(ctx.inventory.world_size))]
+        if options.allow_pipeline:
+            max_stages = min(options.max_stages, num_layers)
+            layouts = [l for ranks in subsets for l in candidate_layouts(ctx.inventory, ctx.links, speeds, max_stages, ranks)]
+        else:
+            layouts = [(ranks,) for ranks in subsets]
     if options.layer_counts is not None:
         layouts = [l for l in layouts if len(l) == len(options.layer_counts)]
     if not layouts or any(len(l) > num_layers for l in layouts):
