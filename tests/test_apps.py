@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import pytest
 
-
-def _run(monkeypatch, capsys, main, *args):
-    monkeypatch.setattr(sys, "argv", ["app", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_plan_app_writes_plan_and_timeline_and_prints_baselines(monkeypatch, capsys, tmp_path: Path):
+def test_plan_app_writes_plan_and_timeline_and_prints_baselines(run_app, tmp_path: Path):
     from zorse_lightning.apps.plan_app import main
 
-    code, out, _ = _run(
-        monkeypatch, capsys, main, "cluster=a100x4_v100x4", "model=llama_7b", "global_batch_size=64", f"hydra.run.dir={tmp_path}"
+    code, out, _ = run_app(
+        main, "cluster=a100x4_v100x4", "model=llama_7b", "global_batch_size=64", f"hydra.run.dir={tmp_path}"
     )
     assert code == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -41,11 +27,11 @@ def test_plan_app_writes_plan_and_timeline_and_prints_baselines(monkeypatch, cap
         assert baseline in out
 
 
-def test_plan_app_pins_are_respected(monkeypatch, capsys, tmp_path: Path):
+def test_plan_app_pins_are_respected(run_app, tmp_path: Path):
     from zorse_lightning.apps.plan_app import main
 
-    code, _, _ = _run(
-        monkeypatch, capsys, main, "cluster=a100x4_v100x4", "model=llama_7b", "global_batch_size=64",
+    code, _, _ = run_app(
+        main, "cluster=a100x4_v100x4", "model=llama_7b", "global_batch_size=64",
         "planner.schedule=gpipe", "planner.microbatch_size=4", f"hydra.run.dir={tmp_path}",
     )
     assert code == 0
@@ -53,19 +39,19 @@ def test_plan_app_pins_are_respected(monkeypatch, capsys, tmp_path: Path):
     assert plan["schedule"] == "gpipe" and plan["microbatch_size"] == 4
 
 
-def test_plan_app_infeasible_is_one_message_and_exit_2(monkeypatch, capsys, tmp_path: Path):
+def test_plan_app_infeasible_is_one_message_and_exit_2(run_app, tmp_path: Path):
     from zorse_lightning.apps.plan_app import main
 
-    code, _, err = _run(
-        monkeypatch, capsys, main, "cluster=lab4_l4_a6000_p40", "model=llama_33b", "global_batch_size=8", f"hydra.run.dir={tmp_path}"
+    code, _, err = run_app(
+        main, "cluster=lab4_l4_a6000_p40", "model=llama_33b", "global_batch_size=8", f"hydra.run.dir={tmp_path}"
     )
     assert code == 2
     assert err.startswith("error: ") and "GiB" in err and "Traceback" not in err
     assert not (tmp_path / "plan.json").exists()
 
 
-def test_plan_app_unknown_model_lists_known_names(monkeypatch, capsys, tmp_path: Path):
+def test_plan_app_unknown_model_lists_known_names(run_app, tmp_path: Path):
     from zorse_lightning.apps.plan_app import main
 
-    code, _, err = _run(monkeypatch, capsys, main, "cluster=cpu_sim2", "model=llama_7b", "model.name=llama_99b", f"hydra.run.dir={tmp_path}")
+    code, _, err = run_app(main, "cluster=cpu_sim2", "model=llama_7b", "model.name=llama_99b", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "llama_7b" in err and "Traceback" not in err

@@ -159,44 +159,35 @@ def test_detection_of_unknown_gpu_warns_and_uses_reported_memory():
 # -- the Hydra app, in process -----------------------------------------------------------
 
 
-def _run_app(monkeypatch, capsys, *args):
-    import sys
-
+def _run_cluster_app(run_app, *args):
     from zorse_lightning.apps.cluster_app import main
 
-    monkeypatch.setattr(sys, "argv", ["zorse-cluster", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_app(main, *args)
 
 
-def test_app_prints_inventory_with_totals(monkeypatch, capsys):
-    code, out, _ = _run_app(monkeypatch, capsys, "cluster=a10g_l4_t4")
+def test_app_prints_inventory_with_totals(run_app):
+    code, out, _ = _run_cluster_app(run_app, "cluster=a10g_l4_t4")
     assert code == 0
     assert "4x a10g" in out and "links between machines" in out
     assert "total" in out and "12" in out
 
 
-def test_app_reports_bad_user_config_without_traceback(monkeypatch, capsys, tmp_path: Path):
+def test_app_reports_bad_user_config_without_traceback(run_app, tmp_path: Path):
     (tmp_path / "cluster").mkdir()
     (tmp_path / "cluster" / "mine.yaml").write_text(
         "defaults:\n  - cluster_schema\n  - _self_\nname: mine\nmachines:\n  - name: m\n    gpus: [{type: h9000}]\n"
     )
-    code, _, err = _run_app(monkeypatch, capsys, "--config-dir", str(tmp_path), "cluster=mine")
+    code, _, err = _run_cluster_app(run_app, "--config-dir", str(tmp_path), "cluster=mine")
     assert code == 2
     assert "unknown GPU type 'h9000'" in err and "Traceback" not in err
 
 
-def test_app_warns_when_a_user_file_is_shadowed(monkeypatch, capsys, tmp_path: Path):
+def test_app_warns_when_a_user_file_is_shadowed(run_app, tmp_path: Path):
     (tmp_path / "cluster").mkdir()
     (tmp_path / "cluster" / "cpu_sim2.yaml").write_text("name: mine\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        code, out, _ = _run_app(monkeypatch, capsys, "--config-dir", str(tmp_path), "cluster=cpu_sim2")
+        code, out, _ = _run_cluster_app(run_app, "--config-dir", str(tmp_path), "cluster=cpu_sim2")
     assert code == 0 and "cluster cpu_sim2" in out
     assert any("has the name of a shipped config" in str(w.message) for w in caught)
 

@@ -8,7 +8,8 @@ backward twice the forward).
 
 from __future__ import annotations
 
-from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine, MachineLink
+from bench.synthetic_cluster import synthetic_cluster
+from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 
 EFFICIENCY = 0.35
@@ -65,16 +66,6 @@ def profile_for(inventory: ClusterInventory) -> ModelProfile:
     return tiny_profile(inventory) if inventory.emulated else real_gpu_profile(inventory)
 
 
-def big_cluster(num_machines: int = 128, gpus_per_machine: int = 8) -> ClusterInventory:
+def big_cluster() -> ClusterInventory:
     """128 machines of 8 GPUs, four types, racks of 4 machines on faster links."""
-    types = ("a100x40", "v100x16", "a10g", "t4")
-    machines = tuple(
-        Machine(f"m{i:03d}", (DEFAULT_CATALOG.get(types[i % 4]),) * gpus_per_machine, intra_bandwidth_gbps=1600.0)
-        for i in range(num_machines)
-    )
-    links = tuple(
-        MachineLink(f"m{i:03d}", f"m{j:03d}", 200.0)
-        for i in range(0, num_machines, 4)
-        for j in range(i + 1, min(i + 4, num_machines))
-    )
-    return ClusterInventory("synthetic1024", machines, inter_machine_bandwidth_gbps=50.0, machine_links=links)
+    return synthetic_cluster(1024)

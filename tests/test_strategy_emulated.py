@@ -54,6 +54,7 @@ def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
             {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank)}
             for s in strategy.plan.stages
         ],
+        "notes": list(strategy.plan.notes),
         "gpu_type": emulator.spec.gpu_type,
         "slowdown": emulator.spec.slowdown,
         "calls": emulator.calls,
@@ -95,6 +96,7 @@ def test_planned_on_emulated_ranks_gives_the_faster_rank_more_and_matches_single
         assert planned["param_diff"] < 1e-5, (rank, planned)
         assert planned["loss_diff"] < 1e-5, (rank, planned)
         assert planned["calls"] > 0  # the rank was emulated while it trained
+        assert "precision 32-true: CPU ranks (emulated GPUs model speed, not numerics)" in planned["notes"]
     # cpu_sim2: A100 (312 TFLOPS) at slowdown 3, V100 (125) at 3 x 312 / 125.
     assert [r["planned"]["gpu_type"] for r in results] == ["a100x40", "v100x16"]
     assert [r["planned"]["slowdown"] for r in results] == pytest.approx([3.0, 3.0 * 312 / 125])

@@ -28,3 +28,12 @@ def bytes_to_gib(num_bytes: float) -> float:
 
 def gib_to_bytes(memory_gib: float) -> float:
     return memory_gib * BYTES_PER_GIB
+
+
+def gbps_to_mbps(bandwidth_gbps: float) -> float:
+    """Gigabits per second to megabits per second (``tc`` and link speeds are often quoted in Mbit/s)."""
+    return bandwidth_gbps * 1000.0
+
+
+def mbps_to_gbps(bandwidth_mbps: float) -> float:
+    return bandwidth_mbps / 1000.0

@@ -1,0 +1,205 @@
+"""A slow link between machines: the planner's plan against data parallel across the link.
+
+    .venv/bin/python bench/slow_link.py                 # as root (network namespaces); about 5 minutes
+
+Each case is two "machines" (network namespaces, :mod:`zorse_lightning.testing.netns`)
+of two emulated CPU ranks each, joined by a link shaped with ``tc ... tbf``:
+
+- ``two_machines_100mbit``: two alike machines (an A100 and a V100 each), 100 Mbit/s;
+- ``two_datacenters_25mbit``: two A100s in one datacenter, two V100s in the
+  other, 25 Mbit/s between them (no added delay: this kernel has no ``netem``).
+
+torchrun starts the ranks inside the namespaces, master on machine 0's address;
+the inventory the strategy gets describes the same links. Two Trainers run in
+one process group:
+
+- plan: ``ZorseStrategy(cluster=...)``, which profiles the blocks at start-up
+  (each type through its emulation) and runs the planner's choice;
+- dp: ``ZorseStrategy(cluster=..., plan=dp)``, the planner's best *data
+  parallel* plan (``PlannerOptions(allow_pipeline=False)``, same start-up
+  profile): every rank holds the whole model, microbatches split by speed, the
+  gradients synchronised over the slow link. This is ZorseStrategy's data
+  parallelism, not ``strategy="ddp"`` (which would also need equal batches on
+  unequal ranks); ``bench/overhead.py`` compares the two engines.
+
+The model (a GPT of 12.9 MB of float32 parameters, sequences of 32 tokens, 16
+samples a step) has gradients about 25 times larger than the activations that
+cross a stage boundary per step (0.5 MB each way), so where the gradient sync
+crosses the link matters. Throughput is the global batch over rank 0's median
+step time after ``--warmup`` steps; ``predicted_error_pct`` compares each plan's
+predicted iteration time with that median. ``link_bytes_per_step`` is what
+machine 0 sent over the link per timed step (its shaper's counter). The last
+line printed is one JSON object: ``{"cases": [{"case", "link_mbit",
+"plan_samples_per_s", "dp_samples_per_s", "predicted_error_pct", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from zorse_lightning.testing.netns import NetnsCluster, NetnsMachine, NetnsNetwork
+from zorse_lightning.units import gbps_to_mbps, mbps_to_gbps
+
+CASES = {
+    "two_machines_100mbit": NetnsCluster("two_machines_100mbit", (
+        NetnsMachine("box0", ("a100x40", "v100x16"), link_gbps=mbps_to_gbps(100)),
+        NetnsMachine("box1", ("a100x40", "v100x16"), link_gbps=mbps_to_gbps(100)),
+    )),
+    "two_datacenters_25mbit": NetnsCluster("two_datacenters_25mbit", (
+        NetnsMachine("a100-box", ("a100x40", "a100x40"), link_gbps=mbps_to_gbps(25), datacenter="east"),
+        NetnsMachine("v100-box", ("v100x16", "v100x16"), link_gbps=mbps_to_gbps(25), datacenter="west"),
+    )),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    global_batch: int = 16
+    warmup: int = 2
+    steps: int = 5
+    """Timed steps after warm-up (the median is kept)."""
+    width: int = 256
+    layers: int = 4
+    seq_len: int = 32
+    vocab: int = 256
+    solver_time_limit_s: float = 2.0
+
+
+def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
+    """One rank (started by torchrun inside a namespace): both Trainers, results from rank 0."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.glue.environment import HeterogeneousEnvironment
+    from zorse_lightning.glue.strategy import ZorseStrategy
+    from zorse_lightning.models.gpt import GPT
+    from zorse_lightning.planner.evaluate import CostContext, plan_cost
+    from zorse_lightning.planner.search import PlannerOptions, make_plan
+    from zorse_lightning.testing.netns import uplink_sent_bytes
+    from zorse_lightning.testing.timing import StepTimer
+
+    torch.set_num_threads(1)
+    mapping = json.loads(Path(cluster_file).read_text())
+    inventory = load_cluster(mapping)
+    environment = HeterogeneousEnvironment()
+    count = config.global_batch * (config.warmup + config.steps)
+    tokens = torch.randint(0, config.vocab, (count, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    probe_steps = {config.warmup - 1, config.warmup + config.steps - 1}
+
+    def fit(strategy: ZorseStrategy) -> dict:
+        """Rank 0's median step, machine 0's bytes sent and every rank's emulated compute per timed step."""
+        timer = StepTimer(lambda step: (uplink_sent_bytes(), strategy.emulation.emulator.emulated_compute_s)
+                          if step in probe_steps else None)
+        trainer = pl.Trainer(
+            strategy=strategy, accelerator="cpu", devices=environment.local_world_size(),
+            num_nodes=len(inventory.machines), max_steps=config.warmup + config.steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, callbacks=[timer],
+        )
+        torch.manual_seed(0)
+        model = GPT(vocab_size=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers, heads=4)
+        loader = DataLoader(dataset, batch_size=config.global_batch // inventory.world_size, shuffle=True)
+        trainer.fit(model, train_dataloaders=loader)
+        (sent_0, compute_0), (sent_1, compute_1) = [p for p in timer.probes if p is not None]
+        compute_ms = [0.0] * inventory.world_size
+        dist.all_gather_object(compute_ms, round((compute_1 - compute_0) * 1000.0 / config.steps, 1))
+        return {
+            "measured_ms": timer.median_step_s(config.warmup) * 1000.0,
+            "link_bytes_per_step": round((sent_1 - sent_0) / config.steps),
+            "emulated_compute_ms_per_rank": compute_ms,
+        }
+
+    options = PlannerOptions(solver_time_limit_s=config.solver_time_limit_s)
+    planned = ZorseStrategy(cluster=mapping, planner_options=options)
+    measured = {"plan": fit(planned)}
+    dp = None
+    if environment.global_rank() == 0:
+        dp = make_plan(inventory, planned.start_up_profile, config.global_batch, PlannerOptions(
+            solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False,
+            no_pipeline_reason="the data-parallel baseline of bench/slow_link.py",
+        ))
+    box = [dp]
+    dist.broadcast_object_list(box, src=0)
+    dp = box[0]
+    measured["dp"] = fit(ZorseStrategy(cluster=mapping, plan=dp))
+    if environment.global_rank() == 0:
+        context = CostContext.build(inventory, planned.start_up_profile)
+        result = {}
+        for name, plan in (("plan", planned.plan), ("dp", dp)):
+            cost = plan_cost(context, plan)
+            result[name] = {
+                **measured[name],
+                "predicted_ms": plan.predicted.iteration_ms,
+                "predicted_pipeline_ms": cost.pipeline_ms,
+                "predicted_sync_ms": cost.sync_ms,
+                "samples_per_s": plan.global_batch_size / measured[name]["measured_ms"] * 1000.0,
+                "microbatch_size": plan.microbatch_size,
+                "layout": [
+                    {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank),
+                     "sharding": s.sharding.value}
+                    for s in plan.stages
+                ],
+            }
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+
+
+def _error_pct(run: dict) -> float:
+    return round(100.0 * (run["predicted_ms"] - run["measured_ms"]) / run["measured_ms"], 1)
+
+
+def bench_case(cluster: NetnsCluster, config: BenchConfig) -> dict:
+    with tempfile.TemporaryDirectory() as out_dir, NetnsNetwork(cluster) as net:
+        cluster_file = Path(out_dir, "cluster.json")
+        cluster_file.write_text(json.dumps(cluster.inventory_mapping()))
+        config_args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(config).items()]
+        net.torchrun([__file__, "--worker", str(cluster_file), out_dir, *config_args], log_dir=Path(out_dir),
+                     timeout_s=400)
+        runs = json.loads(Path(out_dir, "result.json").read_text())
+    plan, dp = runs["plan"], runs["dp"]
+    slowest_gbps = min(m.link_gbps for m in cluster.machines)
+    return {
+        "case": cluster.name,
+        "link_mbit": gbps_to_mbps(slowest_gbps),
+        "plan_samples_per_s": round(plan["samples_per_s"], 3),
+        "dp_samples_per_s": round(dp["samples_per_s"], 3),
+        "plan_over_dp": round(plan["samples_per_s"] / dp["samples_per_s"], 3),
+        "predicted_error_pct": _error_pct(plan),
+        "dp_predicted_error_pct": _error_pct(dp),
+        "plan": {k: round(v, 1) if isinstance(v, float) else v for k, v in plan.items()},
+        "dp": {k: round(v, 1) if isinstance(v, float) else v for k, v in dp.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--worker", nargs=2, metavar=("CLUSTER_JSON", "OUT_DIR"), help=argparse.SUPPRESS)
+    defaults = BenchConfig()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    cases, worker = args.pop("cases"), args.pop("worker")
+    config = BenchConfig(**args)
+    if worker is not None:
+        _worker(worker[0], config, worker[1])
+        return
+    results = []
+    for name in cases:
+        started = time.perf_counter()
+        results.append(bench_case(CASES[name], config))
+        print(f"{name}: {time.perf_counter() - started:.0f} s, {results[-1]}", file=sys.stderr)
+    print(json.dumps({"cases": results}))
+
+
+if __name__ == "__main__":
+    main()

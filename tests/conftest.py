@@ -1,0 +1,25 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import pytest
+
+
+@pytest.fixture
+def run_app(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
+    """Run a Hydra app's ``main`` in this process with the given command line: (exit code, stdout, stderr)."""
+
+    def run(main: Callable[[], None], *args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["app", *args])
+        code = 0
+        try:
+            main()
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

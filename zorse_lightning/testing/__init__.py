@@ -1,0 +1,1 @@
+"""Test and benchmark harnesses shared by ``tests/`` and ``bench/`` (not needed to train)."""
