@@ -28,7 +28,14 @@ cross a stage boundary per step (0.5 MB each way), so where the gradient sync
 crosses the link matters. Throughput is the global batch over rank 0's median
 step time after ``--warmup`` steps; ``predicted_error_pct`` compares each plan's
 predicted iteration time with that median. ``link_bytes_per_step`` is what
-machine 0 sent over the link per timed step (its shaper's counter). The last
+machine 0 sent over the link per timed step (its shaper's counter),
+``emulated_compute_ms_per_rank`` each rank's emulated compute per timed step
+(the synthetic GPU time: what is left of a step is communication and waiting),
+and ``predicted_pipeline_ms`` / ``predicted_sync_ms`` the cost model's parts
+of the prediction. The start-up profile and the run calibrate the emulated
+costs separately, on shared cores, so the prediction's compute and the run's
+can differ by the contention each met; compare the run's emulated compute with
+the prediction to tell that from a modelling error. The last
 line printed is one JSON object: ``{"cases": [{"case", "link_mbit",
 "plan_samples_per_s", "dp_samples_per_s", "predicted_error_pct", ...}]}``.
 """
@@ -163,7 +170,7 @@ def bench_case(cluster: NetnsCluster, config: BenchConfig) -> dict:
         cluster_file.write_text(json.dumps(cluster.inventory_mapping()))
         config_args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(config).items()]
         net.torchrun([__file__, "--worker", str(cluster_file), out_dir, *config_args], log_dir=Path(out_dir),
-                     timeout_s=400)
+                     env={"PYTHONFAULTHANDLER": "1"}, timeout_s=400)
         runs = json.loads(Path(out_dir, "result.json").read_text())
     plan, dp = runs["plan"], runs["dp"]
     slowest_gbps = min(m.link_gbps for m in cluster.machines)

@@ -118,8 +118,10 @@ def split_groups(groups: list[tuple[int, ...]], parts: int) -> list[tuple[int, .
 def stage_orders(
     groups: list[tuple[int, ...]], inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float]
 ) -> list[Layout]:
-    """Orders worth trying: the path with the fastest boundaries, fastest GPUs first, and
-    most memory first (the first stage of 1F1B holds the most microbatches in flight)."""
+    """Orders worth trying: the path with the fastest boundaries, fastest GPUs first, the
+    same with the fastest group moved last (the last stage also computes the head, as
+    costly as a layer or two: on the slowest GPUs it would be the bottleneck), and most
+    memory first (the first stage of 1F1B holds the most microbatches in flight)."""
     if len(groups) == 1:
         return [tuple(groups)]
     machines = [sorted({inventory.gpus[r].machine for r in g}) for g in groups]
@@ -135,9 +137,11 @@ def stage_orders(
     table = [[boundary_gbps(i, j) for j in range(len(groups))] for i in range(len(groups))]
     speed = [sum(speed_by_type[inventory.gpus[r].gpu_type.name] for r in g) / len(g) for g in groups]
     memory = [min(inventory.gpus[r].memory_gib for r in g) for g in groups]
+    by_speed = sorted(range(len(groups)), key=lambda i: -speed[i])
     orders = [
         _best_path(table),
-        sorted(range(len(groups)), key=lambda i: -speed[i]),
+        by_speed,
+        by_speed[1:] + by_speed[:1],
         sorted(range(len(groups)), key=lambda i: -memory[i]),
     ]
     unique: list[Layout] = []

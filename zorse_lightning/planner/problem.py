@@ -90,7 +90,7 @@ def boundary_transfer_ms(ctx: CostContext, sender: tuple[int, ...], receiver: tu
     return transfer_ms(message_bytes, high_gbps, low_us), transfer_ms(message_bytes, low_gbps, high_us)
 
 
-def _extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
+def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
     """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
     time = params = act = 0.0
@@ -128,12 +128,12 @@ def build_problem(
         sharding = candidate.sharding if len(ranks) > 1 else Sharding.NONE
         groups = stage_groups(ctx, ranks)
         bandwidth_gbps, latency_us = ctx.links.ring(ranks)
-        extra_params = _extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
+        extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
         costs = []
         for group in groups:
             gpu_type = ctx.inventory.gpus[group[0]].gpu_type.name
-            extra_ms, _, extra_act = _extras(ctx, gpu_type, m, first, last)
+            extra_ms, _, extra_act = block_extras(ctx, gpu_type, m, first, last)
             times = windows.time_ms(gpu_type, m, candidate.recompute)
             held = [stage_state_bytes(p, profile.dtype, sharding)[0] for p in params]
             costs.append(

@@ -4,14 +4,15 @@ the integer program, price every plan in the cost model, keep the fastest.
 Candidates: stage layout and order (:mod:`.grouping`, and, where allowed, layouts
 that leave the slowest GPU types idle), microbatch size and schedule. Two phases:
 
-1. In increasing order of a lower bound on the iteration time (every GPU of the
-   layout busy on its fastest layer, one layer of fill per other stage, the fastest
-   boundary transfers), each candidate gets its proportional split priced
-   (:mod:`.heuristic`): an upper bound and a valid fallback plan. Candidates whose
-   bound reaches the best plan so far are skipped.
-2. The integer program runs for the candidates with the best proportional splits,
+1. In increasing order of a lower bound on the iteration time (see
+   :func:`_lower_bound_ms`), each candidate gets a heuristic split priced
+   (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute,
+   or by speed when that does not fit): an upper bound and a valid fallback plan.
+   Candidates whose bound reaches the best plan so far are skipped.
+2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
-   bound is below the best plan. It runs with the optimizer state sharded (free in
+   bound is below the best plan, skipping those where it has nothing to choose
+   (one stage of identical GPUs). It runs with the optimizer state sharded (free in
    time in this model: it only saves memory) and without recomputation, and with
    recomputation only when that does not fit; stages that also fit unsharded are
    then left unsharded.
@@ -34,7 +35,15 @@ from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_
 from zorse_lightning.planner.heuristic import priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
-from zorse_lightning.planner.problem import Candidate, WindowCosts, boundary_transfer_ms, build_problem, to_plan
+from zorse_lightning.planner.problem import (
+    Candidate,
+    WindowCosts,
+    block_extras,
+    boundary_transfer_ms,
+    build_problem,
+    stage_groups,
+    to_plan,
+)
 from zorse_lightning.profiling.profile import ModelProfile
 
 
@@ -58,7 +67,7 @@ class PlannerOptions:
     planning studies only while the engine cannot run such plans."""
     max_stages: int = 16
     max_programs: int = 8
-    """Integer programs to solve, most promising candidates (by their proportional split) first."""
+    """Integer programs to solve, most promising candidates (by their heuristic split) first."""
     stage_layout: tuple[tuple[int, ...], ...] | None = None
     """Pinned stages in pipeline order, each a list of global ranks."""
     layer_counts: tuple[int, ...] | None = None
@@ -111,12 +120,14 @@ def make_plan(
     for bound, i, layout, m, schedule in bounded:
         if best is not None and bound >= best.predicted.iteration_ms:
             break
-        heuristic = _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options)
+        heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
         best = _faster(best, heuristic)
         scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
     for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
         if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
+            continue
+        if heuristic is not None and _nothing_to_choose(ctx, layout):
             continue
         for recompute in (False, True):
             candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
@@ -130,7 +141,7 @@ def make_plan(
                 break
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
-    found_by = best.solver.status if best.solver.name == SOLVER_NAME else "no program beat the proportional split"
+    found_by = best.solver.status if best.solver.name == SOLVER_NAME else "no program beat the heuristic split"
     record = SolverRecord(SOLVER_NAME, f"{found_by}; {solves} programs solved", best.solver.objective_ms)
     if best.idle_ranks:
         idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
@@ -154,17 +165,27 @@ def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
     return counts, shares
 
 
-def _heuristic_plan(ctx, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
-    """The proportional split of a candidate, priced: an upper bound, and a fallback plan.
-    Pinned layer counts are applied by the integer program only."""
+def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
+    """A candidate's balanced split (else, when that does not fit, its proportional split),
+    priced: an upper bound, and a fallback plan. Pinned layer counts are applied by the
+    integer program only."""
     if options.layer_counts is not None:
         return None
     for recompute in (False, True):
-        plan = proportional_plan(ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds)
-        plan = priced(ctx, _unshard_where_it_fits(ctx, plan))
-        if plan is not None:
-            return plan
+        for split_by in (windows, None):
+            plan = proportional_plan(
+                ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds, windows=split_by
+            )
+            plan = priced(ctx, _unshard_where_it_fits(ctx, plan))
+            if plan is not None:
+                return plan
     return None
+
+
+def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:
+    """One stage of identical GPUs: the even split is the program's only solution, and
+    the heuristic plan already has it (a program would only use up the budget)."""
+    return len(layout) == 1 and len(stage_groups(ctx, layout[0])) == 1
 
 
 def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
@@ -228,17 +249,34 @@ def _microbatch_sizes(global_batch_size: int, options: PlannerOptions) -> list[i
 
 
 def _lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int) -> float:
-    """No plan of the layout at microbatch size ``m`` is faster than this (see module docstring)."""
+    """No plan of the layout at microbatch size ``m`` is faster than this.
+
+    The busiest stage works at least as long as (a) the whole model's work spread
+    over every GPU of the layout at its fastest layer time, and (b) any one stage
+    passing every microbatch through one layer and the embedding or head it holds,
+    spread over its own GPUs. Add one microbatch through each other stage (fill and
+    drain: the largest such term is left out, it may be the busiest stage's) and
+    through each boundary at its fastest link.
+    """
     num_m = global_batch_size // m
+    last = len(layout) - 1
     types = [[ctx.inventory.gpus[r].gpu_type.name for r in s] for s in layout]
     fastest_layer = {
         t: min(b.forward.at(m) + b.backward.at(m) for b in ctx.profile.times(t).layers) for t in {t for s in types for t in s}
     }
+    extras = {
+        (t, s): block_extras(ctx, t, m, s == 0, s == last)[0] for s, stage in enumerate(types) for t in set(stage)
+    }
+    head_and_embedding = min(block_extras(ctx, t, m, True, True)[0] / fastest_layer[t] for t in fastest_layer)
     capacity = sum(1.0 / fastest_layer[t] for s in types for t in s)
-    fill = [min(fastest_layer[t] for t in s) for s in types]
+    whole_model = num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
+    one_layer_per_stage = max(
+        num_m / sum(1.0 / (fastest_layer[t] + extras[t, s]) for t in stage) for s, stage in enumerate(types)
+    )
+    fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
     message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
     transfers = sum(2 * boundary_transfer_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
-    return num_m * ctx.profile.num_layers / capacity + sum(fill) - max(fill) + transfers
+    return max(whole_model, one_layer_per_stage) + sum(fill) - max(fill) + transfers
 
 
 def _unshard_where_it_fits(ctx: CostContext, plan: Plan) -> Plan:

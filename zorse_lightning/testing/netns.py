@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,10 +41,13 @@ from typing import Any
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.units import gbps_to_bytes_per_s
 
-__all__ = ["NetnsCluster", "NetnsError", "NetnsMachine", "NetnsNetwork", "netns_unavailable_reason", "uplink_sent_bytes"]
+__all__ = [
+    "NetnsCluster", "NetnsError", "NetnsMachine", "NetnsNetwork", "netns_unavailable_reason", "uplink_sent_bytes",
+]
 
 UPLINK = "uplink"
 """Each machine's interface (GLOO_SOCKET_IFNAME: gloo binds to it, not to the shared hostname)."""
+POLL_S = 0.5
 TBF_QUEUE_MS = 100
 """Queue of the shaper: long enough that TCP fills the link, short enough not to add seconds of delay."""
 TBF_MIN_BURST_BYTES = 15_000
@@ -113,8 +117,9 @@ class NetnsCluster:
     def inventory_mapping(self) -> dict[str, Any]:
         """The cluster for :func:`zorse_lightning.cluster.config.load_cluster`, links as shaped.
 
-        Every pair of machines gets a ``machine_links`` entry. Datacenter links (which the inventory requires between every pair of
-        datacenters) take the slowest shaped link between them.
+        Every pair of machines gets a ``machine_links`` entry. Datacenter links
+        (which the inventory requires between every pair of datacenters) take
+        the slowest shaped link between them.
         """
         machines = []
         for m in self.machines:
@@ -131,7 +136,8 @@ class NetnsCluster:
                  for a, b in pairs]
         dc_links = []
         for dc_a, dc_b in combinations(sorted({m.datacenter for m in self.machines}), 2):
-            across = [(a, b) for a, b in pairs if {self.machines[a].datacenter, self.machines[b].datacenter} == {dc_a, dc_b}]
+            across = [(a, b) for a, b in pairs
+                      if {self.machines[a].datacenter, self.machines[b].datacenter} == {dc_a, dc_b}]
             a, b = min(across, key=lambda p: self.link_gbps(*p))
             dc_links.append(self._link(a, b, ("datacenter_a", "datacenter_b"), (dc_a, dc_b)))
         return {
@@ -139,7 +145,9 @@ class NetnsCluster:
             "description": f"{len(self.machines)} network namespaces joined by shaped veth links",
             "emulated": True,
             "machines": machines,
-            "inter_machine_bandwidth_gbps": min((self.link_gbps(a, b) for a, b in pairs), default=self.intra_bandwidth_gbps),
+            "inter_machine_bandwidth_gbps": min(
+                (self.link_gbps(a, b) for a, b in pairs), default=self.intra_bandwidth_gbps
+            ),
             "machine_links": links,
             "datacenter_links": dc_links,
         }
@@ -161,8 +169,9 @@ def _run(argv: Sequence[str]) -> str:
 def netns_unavailable_reason() -> str | None:
     """Why namespaces with shaped veth links cannot be made here, or None when they can.
 
-    Tries what the harness does (a namespace, a veth pair, a tbf qdisc) in a throw-away namespace, so a container without the capability
-    or the kernel modules is reported, not only a missing root.
+    Tries what the harness does (a namespace, a veth pair, a tbf qdisc) in a
+    throw-away namespace, so a container without the capability or the kernel
+    modules is reported, not only a missing root.
     """
     if os.geteuid() != 0:
         return "network namespaces need root (run the tests as root, as the development machine and CI do)"
@@ -263,7 +272,9 @@ class NetnsNetwork:
         received = _run(["ip", "netns", "exec", self.switch, "tc", "-s", "qdisc", "show", "dev", f"p{machine}"])
         return _sent_bytes(sent), _sent_bytes(received)
 
-    def popen(self, machine: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, machine: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen:
         """Start ``argv`` inside machine ``machine`` (its own process group, killed on close)."""
         process = subprocess.Popen(
             ["ip", "netns", "exec", self.namespace(machine), *argv],
@@ -285,7 +296,7 @@ class NetnsNetwork:
         Machine ``i`` runs ``--node-rank=i`` with one process per GPU type it
         lists, so global ranks follow the inventory's order; the master is on
         machine 0's address. Raises :class:`NetnsError` with the outputs when a
-        machine fails or the run passes ``timeout_s``.
+        machine fails (the others are then stopped) or the run passes ``timeout_s``.
         """
         machines = self.cluster.machines
         logs = [Path(log_dir) / f"{self.tag}-machine{i}.log" for i in range(len(machines))]
@@ -299,15 +310,19 @@ class NetnsNetwork:
             with logs[i].open("w") as log:
                 processes.append(self.popen(i, argv, env={"OMP_NUM_THREADS": "1", **(env or {})},
                                             stdout=log, stderr=subprocess.STDOUT))
-        try:
-            for process in processes:
-                process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._kill(processes)
+        deadline = time.monotonic() + timeout_s
+        # A machine that fails leaves the others blocked in a collective: stop them all at once.
+        while time.monotonic() < deadline and not all(p.poll() == 0 for p in processes):
+            if any(p.poll() not in (None, 0) for p in processes):
+                break
+            time.sleep(POLL_S)
+        self._kill(processes)
         outputs = [log.read_text() for log in logs]
         codes = [p.returncode for p in processes]
         if any(code != 0 for code in codes):
-            shown = "\n".join(f"--- machine {i} (exit {c}):\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outputs)))
+            shown = "\n".join(
+                f"--- machine {i} (exit {c}):\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outputs))
+            )
             raise NetnsError(f"torchrun failed or passed {timeout_s:.0f} s on some machine:\n{shown}")
         return outputs
 
