@@ -1,0 +1,92 @@
+"""The search's heuristic split and lower bound: the balanced layer split against brute
+force, the lower bound never above a priced plan (it prunes candidates), and the stage
+order that keeps the head off the slowest GPUs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.grouping import stage_orders
+from zorse_lightning.planner.heuristic import balanced_layer_counts, proportional_plan, speed_by_type
+from zorse_lightning.planner.problem import WindowCosts, block_extras
+from zorse_lightning.planner.search import PlannerOptions, _heuristic_plan, _layouts, _lower_bound_ms
+
+from test_planner_fixtures import synthetic_profile
+
+
+def _stage_busy_ms(ctx, windows, layout, m, microbatches, counts) -> float:
+    """Busiest stage's compute (layers and the embedding or head), rank by rank."""
+    last = len(layout) - 1
+    return max(
+        n * (windows.time_ms(ctx.inventory.gpus[r].gpu_type.name, m, False)[k - 1]
+             + block_extras(ctx, ctx.inventory.gpus[r].gpu_type.name, m, s == 0, s == last)[0])
+        for s, (ranks, stage_microbatches, k) in enumerate(zip(layout, microbatches, counts))
+        for r, n in zip(ranks, stage_microbatches)
+    )
+
+
+@pytest.mark.parametrize("layer_scale", [None, (1.0, 2.5, 0.5, 1.0, 3.0, 1.0, 0.7, 1.0, 1.2, 0.9)])
+def test_balanced_layer_split_is_the_brute_force_optimum(layer_scale) -> None:
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=10, layer_scale=layer_scale)
+    ctx = CostContext.build(inventory, profile)
+    windows = WindowCosts(ctx)
+    layout = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # A10G, L4, T4 machines
+    microbatches = [[4, 4, 3, 3], [2, 2, 3, 3], [1, 2, 3, 4]]
+    counts = balanced_layer_counts(ctx, windows, layout, 2, microbatches, False)
+    best = min(
+        _stage_busy_ms(ctx, windows, layout, 2, microbatches, split)
+        for split in itertools.product(range(1, 9), repeat=3)
+        if sum(split) == 10
+    )
+    assert sum(counts) == 10 and min(counts) >= 1
+    assert _stage_busy_ms(ctx, windows, layout, 2, microbatches, counts) == pytest.approx(best, rel=1e-12)
+
+
+def test_balanced_split_moves_layers_off_the_stage_with_the_head() -> None:
+    """Same GPUs, same speed: the proportional split is even; the head costs like a layer
+    or more, so the balanced split gives the last stage fewer layers."""
+    inventory = load_cluster("dc2_a100x8_v100x8")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, vocab=100_000)
+    ctx = CostContext.build(inventory, profile)
+    layout = (tuple(range(4)), tuple(range(4, 8)))  # two stages of four A100s
+    even = proportional_plan(ctx, layout, 2, 64)
+    balanced = proportional_plan(ctx, layout, 2, 64, windows=WindowCosts(ctx))
+    assert [s.num_layers for s in even.stages] == [6, 6]
+    head_in_layers = block_extras(ctx, "a100x40", 2, False, True)[0] / WindowCosts(ctx).time_ms("a100x40", 2, False)[0]
+    assert head_in_layers > 1.5
+    assert balanced.stages[1].num_layers < balanced.stages[0].num_layers
+
+
+@pytest.mark.parametrize("name", ["a100x4_v100x4", "a10g_l4_t4", "lab4_l4_a6000_p40"])
+def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
+    inventory = load_cluster(name)
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=1024)
+    ctx = CostContext.build(inventory, profile)
+    options = PlannerOptions(allow_idle_ranks=True)
+    windows, speeds = WindowCosts(ctx), speed_by_type(ctx)
+    checked = 0
+    for layout in _layouts(ctx, options):
+        for m in (1, 4):
+            plan = _heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options)
+            if plan is not None:
+                assert _lower_bound_ms(ctx, layout, m, 32) <= plan.predicted.iteration_ms * (1 + 1e-12)
+                checked += 1
+    assert checked > 10
+
+
+def test_an_order_puts_the_fastest_group_last_where_the_head_is() -> None:
+    inventory = load_cluster("mix32_4types")
+    ctx = CostContext.build(inventory, synthetic_profile(tuple(t.name for t in inventory.gpu_types)))
+    speeds = speed_by_type(ctx)
+    groups = [tuple(range(i, i + 8)) for i in range(0, 32, 8)]  # A100, V100, A10G, T4 pairs of machines
+    by_speed = sorted(groups, key=lambda g: -speeds[inventory.gpus[g[0]].gpu_type.name])
+    assert inventory.gpus[by_speed[0][0]].gpu_type.name == "a100x40"
+    orders = stage_orders(groups, inventory, ctx.links, speeds)
+    assert tuple(by_speed) in orders
+    assert (*by_speed[1:], by_speed[0]) in orders  # the rest fastest first, the A100s last with the head
