@@ -89,7 +89,8 @@ def test_instrumented_module_takes_slowdown_times_calibrated_cost_and_keeps_the_
     (cost,) = emulator.calibrated_costs.values()
     per_step = slowdown * samples * (cost.forward_s_per_sample + cost.backward_s_per_sample)
     assert emulator.calls == 2 * steps and emulator.approximate_backwards == 0
-    assert emulator.overruns == 0  # every sleep was positive: real compute fit inside its deadline
+    # (Whether every sleep was positive depends on the load of the machine, so it is reported by the
+    # benchmarks through `overruns`, not asserted here.)
     assert emulator.emulated_compute_s == pytest.approx(steps * per_step, rel=0.01)
     assert emulator.real_compute_s < emulator.emulated_compute_s
     assert min(walls) >= per_step  # deadlines are absolute: a step cannot be faster than emulated
