@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.glue.detection import detect_cluster
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups
 from zorse_lightning.glue import checkpointing
@@ -199,6 +200,8 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        if self._cluster_source is None and self._inventory is None and self._plan_source is None:
+            self._inventory = detect_cluster(self.root_device, self.world_size)
         self.accelerator.setup(trainer)
         self._set_precision()
         self.precision_plugin.convert_module(self.model)
