@@ -206,7 +206,7 @@ def test_import_registers_strategy_without_side_effects():
     assert result.stdout.split() == ["True", "False"]
 
 
-def test_cluster_and_planner_modules_do_not_import_torch():
+def test_cluster_planner_and_profile_modules_do_not_import_torch():
     import subprocess
     import sys
 
@@ -220,7 +220,8 @@ def test_cluster_and_planner_modules_do_not_import_torch():
         f"stub.__path__ = [{str(Path(zorse_lightning.__file__).parent)!r}]\n"
         "sys.modules['zorse_lightning'] = stub\n"
         "import zorse_lightning.cluster.config, zorse_lightning.cluster.detect, zorse_lightning.cluster.report\n"
-        "import zorse_lightning.planner.plan\n"
+        "import zorse_lightning.planner.search, zorse_lightning.planner.baselines, zorse_lightning.planner.simulate\n"
+        "import zorse_lightning.profiling.reference, zorse_lightning.profiling.estimate\n"
         "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -122,7 +122,7 @@ def make_plan(
             break
         heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
         best = _faster(best, heuristic)
-        scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
+        scored.append((_program_priority(heuristic, bound), bound, i, layout, m, schedule, heuristic))
     solves = 0
     for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
         if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
@@ -147,6 +147,10 @@ def make_plan(
         idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
         notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
+
+
+def _program_priority(heuristic: Plan | None, bound_ms: float) -> float:
+    return heuristic.predicted.iteration_ms if heuristic else float("inf")
 
 
 def _faster(a: Plan | None, b: Plan | None) -> Plan | None:
