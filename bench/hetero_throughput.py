@@ -1,40 +1,35 @@
 """Throughput on emulated mixed-GPU clusters: the zorse plan against DDP and the ideal.
 
-    .venv/bin/python bench/hetero_throughput.py                      # cpu_sim4
-    .venv/bin/python bench/hetero_throughput.py --clusters cpu_sim4 cpu_sim2 path/to/mix.yaml
+    .venv/bin/python bench/hetero_throughput.py          # cpu_sim2, cpu_sim2_1to5, cpu_sim4: about 6 minutes
+    .venv/bin/python bench/hetero_throughput.py --clusters cpu_sim4 path/to/mix.yaml
 
 For each cluster, in one set of processes (one per rank, gloo, one thread each):
 
 - zorse: ``Trainer(strategy=ZorseStrategy(cluster=...))`` with emulation on; the
-  strategy profiles the blocks at start-up (each GPU type through its own
-  emulation) and the planner chooses the plan;
+  strategy calibrates the emulated CPU costs once at start-up (ranks one at a
+  time, fixed calibration size, minimum over ranks), profiles the blocks
+  through each GPU type's emulation on those costs (it is not told the speeds)
+  and the planner chooses the plan; the run's emulation uses the same costs;
 - ddp: ``Trainer(strategy="ddp")`` with equal per-rank batches on the same
-  emulated ranks (the :class:`EmulateCluster` callback);
+  emulated ranks (the :class:`EmulateCluster` callback), loaded with the zorse
+  run's calibrated costs, so both strategies run on the same emulated speeds;
 - ideal: the sum over ranks of what each rank trains per second *alone* at its
-  emulated speed. Measured, in this (parent) process: the whole model trained
-  by one process slowed as that rank's type is in the cluster (same slowdown,
-  same calibration method), ``--per-rank-batch`` samples per step. A second
-  figure, ``solo_from_costs_ideal_samples_per_s``, divides the same samples by the
-  emulated compute time alone (calibrated cost x slowdown, without the
-  optimizer step and framework overhead): an upper bound of the ideal.
-
-Each run calibrates its CPU costs anew, at its first step, with all ranks
-calibrating at once on the shared cores: runs differ in absolute speed by
-whatever contention their calibration met (measured here: up to 2x). So each
-run also computes the ideal from its *own* agreed costs (emulated compute
-over the timed steps, / slowdown, summed over ranks = the model's cost per
-sample; see :meth:`StepClock.ideal_samples_per_s`). ``ideal_samples_per_s`` is
-that of the zorse run, ``ddp_ideal_samples_per_s`` that of the DDP run, and
-``zorse_over_ideal`` / ``ddp_over_ideal`` compare each run with the ideal of
-its own calibration (the figures to compare); the solo measurement above is
-kept as ``solo_measured_ideal_samples_per_s``.
+  emulated speed, computed from the run's own costs: each rank's emulated
+  compute over the timed steps, divided by its slowdown, summed over ranks, is
+  the whole model's calibrated cost ``C`` per sample, and a rank alone trains
+  ``1 / (slowdown x C)`` samples a second (:meth:`StepClock.ideal_samples_per_s`).
+  These are exactly the costs the run's deadlines use. It leaves out what a rank
+  alone also spends (the optimizer step, the loss outside the emulated modules,
+  framework overhead), so it is an upper bound of the measured solo rate:
+  ``solo_measured_ideal_samples_per_s`` is that measured rate (the whole model
+  trained by one process at each type's speed on the same costs, in this parent
+  process), for comparison.
 
 Throughput is the global batch over the median step time after ``--warmup``
-steps (the first steps cut the model, calibrate and agree costs). The model is
-a GPT whose blocks take milliseconds per sample, so the emulation's per-call
-overhead (tens of microseconds) stays small beside the deadlines. The last line
-printed is one JSON object: ``{"clusters": [{"cluster", "zorse_samples_per_s",
-"ddp_samples_per_s", "ideal_samples_per_s", ...}]}``.
+steps. The model is a GPT whose blocks take milliseconds per sample, so the
+emulation's per-call overhead (tens of microseconds) stays small beside the
+deadlines. The last line printed is one JSON object: ``{"clusters": [{"cluster",
+"zorse_samples_per_s", "ddp_samples_per_s", "ideal_samples_per_s", ...}]}``.
 """
 
 from __future__ import annotations
@@ -57,28 +52,31 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.engine.emulation import ComputeEmulator, emulated_modules, emulation_spec_for_rank
+from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
+from zorse_lightning.engine.emulation_timing import CallCost
 from zorse_lightning.glue.emulation_callback import EmulateCluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
 
 
+CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")
+"""2 ranks at 1 : 2.5 and 1 : 4.8, 4 ranks at 1 : 2.5 : 4.8 : 4.8."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     per_rank_batch: int = 8
     """DDP's batch per rank; the zorse global batch is this x the number of ranks, as with DDP."""
-    warmup: int = 2
-    steps: int = 5
+    warmup: int = 3
+    steps: int = 10
     """Timed steps after warm-up (the median is kept)."""
     solo_steps: int = 3
     """Timed steps of each type alone (after one warm-up step)."""
     width: int = 256
     layers: int = 4
     seq_len: int = 128
-    """Wide and long enough that a block's CPU cost per sample barely depends on the microbatch size
-    (measured here: 1.27x at 1 sample, 1.03x at 4, against 8), since the emulator calibrates per-sample
-    costs at the first call's size."""
+    """Wide and long enough that a block takes milliseconds per sample."""
     vocab: int = 256
     solver_time_limit_s: float = 5.0
 
@@ -140,7 +138,16 @@ def _per_rank(strategy, emulator: ComputeEmulator) -> dict[str, list[float]]:
     return {"count": counts, "total_s": [round(s, 3) for s in seconds]}
 
 
-def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
+def _costs_json(costs: dict[str, CallCost]) -> dict[str, list[float]]:
+    return {key: [c.forward_s_per_sample, c.backward_s_per_sample] for key, c in costs.items()}
+
+
+def _costs_from_json(raw: dict[str, list[float]]) -> dict[str, CallCost]:
+    return {key: CallCost(*pair) for key, pair in raw.items()}
+
+
+def run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
+    """One zorse fit (collective): throughput, ideal, plan, its prediction and the calibrated costs."""
     clock = StepClock(lambda trainer: trainer.strategy.emulation.emulator)
     strategy = ZorseStrategy(cluster=cluster, planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s))
     trainer = _trainer(strategy, world_size, config, [clock], root)
@@ -151,6 +158,7 @@ def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) ->
     overruns = _per_rank(strategy, emulator)
     return {
         "samples_per_s": plan.global_batch_size / clock.median_step_s(config.warmup),
+        "measured_ms": clock.median_step_s(config.warmup) * 1000.0,
         "ideal_samples_per_s": clock.ideal_samples_per_s(trainer, cluster, config.warmup, plan.global_batch_size),
         "plan": {
             "microbatch_size": plan.microbatch_size,
@@ -161,13 +169,26 @@ def _run_zorse(cluster: str, world_size: int, config: BenchConfig, root: str) ->
             "predicted_iteration_ms": plan.predicted.iteration_ms if plan.predicted else None,
         },
         "overruns_per_rank": overruns,
+        "costs": _costs_json(emulator.calibrated_costs),
     }
 
 
-def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str) -> dict:
+class _SharedCosts(pl.Callback):
+    """Gives DDP's emulation the zorse run's calibrated costs, keyed by module name (after EmulateCluster.setup)."""
+
+    def __init__(self, emulate: EmulateCluster, costs: dict[str, CallCost]) -> None:
+        self.emulate, self.costs = emulate, costs
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        named = named_emulated_modules(pl_module)
+        self.emulate.emulator.instrument([m for _, m in named], names=[n for n, _ in named])
+        self.emulate.emulator.load_costs(self.costs)
+
+
+def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str, costs: dict[str, CallCost]) -> dict:
     emulate = EmulateCluster(cluster)
     clock = StepClock(lambda trainer: emulate.emulator)
-    trainer = _trainer("ddp", world_size, config, [clock, emulate], root)
+    trainer = _trainer("ddp", world_size, config, [emulate, _SharedCosts(emulate, costs), clock], root)
     loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
     trainer.fit(config.model(), train_dataloaders=loader)
     overruns = _per_rank(trainer.strategy, emulate.emulator)
@@ -178,48 +199,54 @@ def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str) -> d
     }
 
 
-def _worker(rank: int, cluster: str, world_size: int, port: int, config: BenchConfig, out_dir: str) -> None:
+def _worker(rank: int, cluster: str, world_size: int, port: int, config: BenchConfig, out_dir: str, ddp: bool) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         TORCHELASTIC_RUN_ID="bench", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    result = {"zorse": _run_zorse(cluster, world_size, config, out_dir), "ddp": _run_ddp(cluster, world_size, config, out_dir)}
+    result = {"zorse": run_zorse(cluster, world_size, config, out_dir)}
+    if ddp:
+        result["ddp"] = _run_ddp(cluster, world_size, config, out_dir, _costs_from_json(result["zorse"]["costs"]))
     if rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps(result))
 
 
-def solo_samples_per_s(cluster: str, config: BenchConfig) -> dict[str, tuple[float, float]]:
-    """Per GPU type: (measured, from emulated compute only) samples/s of one rank training the model alone.
+def run_cluster(cluster: str, config: BenchConfig, ddp: bool = True) -> dict:
+    """Spawn one process per rank of ``cluster``; rank 0's results of the zorse (and DDP) fits."""
+    world_size = load_cluster(cluster).world_size
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(cluster, world_size, _free_port(), config, out_dir, ddp), nprocs=world_size, join=True)
+        return json.loads(Path(out_dir, "result.json").read_text())
 
-    One emulator serves every type in turn (only its speed changes), so the CPU
-    cost is calibrated once and the types' rates differ by their slowdowns alone,
-    not by the contention each calibration happened to meet.
+
+def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallCost]) -> dict[str, float]:
+    """Per GPU type: samples/s of one process training the whole model alone at that type's speed.
+
+    On the run's calibrated ``costs`` (keyed by module name), so the types' rates
+    differ by their slowdowns alone and match the speeds the run emulated.
     """
     inventory = load_cluster(cluster)
     model = config.model()
     first_of_type: dict[str, int] = {}
     for rank, gpu in enumerate(inventory.gpus):
         first_of_type.setdefault(gpu.gpu_type.name, rank)
-    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0))
-    emulator.instrument(emulated_modules(model))
+    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0), costs=costs)
+    named = named_emulated_modules(model)
+    emulator.instrument([m for _, m in named], names=[n for n, _ in named])
     optimizer = model.configure_optimizers()
     inputs, targets = config.dataset(1)[: config.per_rank_batch]
     rates = {}
     for name, rank in first_of_type.items():
         emulator.spec = emulation_spec_for_rank(inventory, rank)
-        step_s, emulated_s = [], []
+        step_s = []
         for _ in range(1 + config.solo_steps):
-            before, start = emulator.emulated_compute_s, time.perf_counter()
+            start = time.perf_counter()
             model._loss((inputs, targets)).backward()
             optimizer.step()
             optimizer.zero_grad()
             step_s.append(time.perf_counter() - start)
-            emulated_s.append(emulator.emulated_compute_s - before)
-        rates[name] = (
-            config.per_rank_batch / statistics.median(step_s[1:]),
-            config.per_rank_batch / statistics.median(emulated_s[1:]),
-        )
+        rates[name] = config.per_rank_batch / statistics.median(step_s[1:])
     emulator.remove()
     return rates
 
@@ -232,35 +259,31 @@ def _free_port() -> int:
 
 def bench_cluster(cluster: str, config: BenchConfig) -> dict:
     inventory = load_cluster(cluster)
-    world_size = inventory.world_size
     torch.set_num_threads(1)
-    solo = solo_samples_per_s(cluster, config)
-    ideal = sum(solo[g.gpu_type.name][0] for g in inventory.gpus)
-    ideal_from_costs = sum(solo[g.gpu_type.name][1] for g in inventory.gpus)
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(cluster, world_size, _free_port(), config, out_dir), nprocs=world_size, join=True)
-        runs = json.loads(Path(out_dir, "result.json").read_text())
+    runs = run_cluster(cluster, config)
+    solo = solo_samples_per_s(cluster, config, _costs_from_json(runs["zorse"]["costs"]))
     zorse, ddp = runs["zorse"]["samples_per_s"], runs["ddp"]["samples_per_s"]
-    zorse_ideal, ddp_ideal = runs["zorse"]["ideal_samples_per_s"], runs["ddp"]["ideal_samples_per_s"]
+    ideal = runs["zorse"]["ideal_samples_per_s"]
     return {
         "cluster": inventory.name,
         "zorse_samples_per_s": round(zorse, 3),
         "ddp_samples_per_s": round(ddp, 3),
-        "ideal_samples_per_s": round(zorse_ideal, 3),
-        "zorse_over_ideal": round(zorse / zorse_ideal, 4),
-        "ddp_ideal_samples_per_s": round(ddp_ideal, 3),
-        "ddp_over_ideal": round(ddp / ddp_ideal, 4),
-        "solo_measured_ideal_samples_per_s": round(ideal, 3),
-        "solo_from_costs_ideal_samples_per_s": round(ideal_from_costs, 3),
-        "solo_samples_per_s": {name: round(rates[0], 3) for name, rates in solo.items()},
+        "ideal_samples_per_s": round(ideal, 3),
+        "zorse_over_ideal": round(zorse / ideal, 4),
+        "ddp_over_ideal": round(ddp / ideal, 4),
+        "zorse_over_ddp": round(zorse / ddp, 4),
+        "ddp_ideal_samples_per_s": round(runs["ddp"]["ideal_samples_per_s"], 3),
+        "solo_measured_ideal_samples_per_s": round(sum(solo[g.gpu_type.name] for g in inventory.gpus), 3),
+        "solo_samples_per_s": {name: round(rate, 3) for name, rate in solo.items()},
         "plan": runs["zorse"]["plan"],
+        "measured_ms": round(runs["zorse"]["measured_ms"], 1),
         "overruns": {"zorse": runs["zorse"]["overruns_per_rank"], "ddp": runs["ddp"]["overruns_per_rank"]},
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clusters", nargs="+", default=["cpu_sim4"], help="cluster conf names or YAML paths")
+    parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), help="cluster conf names or YAML paths")
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)

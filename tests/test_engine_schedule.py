@@ -17,6 +17,7 @@ from zorse_lightning.engine.schedule import (
     simulate,
 )
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.memory import microbatches_in_flight, one_f_one_b_warmup
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -55,9 +56,30 @@ def test_uneven_wide_stage_gets_interleaved_microbatches():
     schedule = build_schedule(plan)
     assert [a.microbatch for a in schedule.for_rank(2)] == [5, 5, 6, 6]
     assert [str(a) for a in schedule.for_rank(3)] == ["1F7", "1B7"]
-    # The narrow stage is the bottleneck: its 16 actions fill 16 of the 18 steps.
-    assert schedule.num_steps == 18
-    assert sum(a is None for a in schedule.grid[0]) == 2
+    # The narrow stage is the bottleneck. Its warm-up holds 3 microbatches in flight, one for
+    # each rank of the wide stage, so its 16 actions run back to back (with the classic warm-up
+    # of 1 the wide ranks took turns: 18 steps, 2 of them idle on rank 0).
+    assert [str(a) for a in schedule.for_rank(0)[:5]] == ["0F0", "0F5", "0F1", "0F2", "0B0"]
+    assert schedule.num_steps == 16
+    assert sum(a is None for a in schedule.grid[0]) == 0
+
+
+def test_warmup_counts_the_ranks_of_later_stages():
+    # equal single-rank stages: the classic S - 1 - i
+    assert [one_f_one_b_warmup((1, 1, 1, 1), i) for i in range(4)] == [3, 2, 1, 0]
+    # 1 -> 3: three; 3 -> 1: one each; 2 -> 3 -> 1: ceil(3/2) + ceil(1/2) = 3, then ceil(1/3) = 1
+    assert one_f_one_b_warmup((1, 3), 0) == 3
+    assert one_f_one_b_warmup((3, 1), 0) == 1
+    assert [one_f_one_b_warmup((2, 3, 1), i) for i in range(3)] == [3, 1, 0]
+    # the memory model counts the same microbatches: warm-up + 1, capped by the rank's share
+    assert microbatches_in_flight(Schedule.ONE_F_ONE_B, (1, 3), 0, 8) == 4
+    assert microbatches_in_flight(Schedule.ONE_F_ONE_B, (1, 3), 0, 2) == 2
+    assert microbatches_in_flight(Schedule.GPIPE, (1, 3), 0, 8) == 8
+    plan = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (5, 2, 1), (2, 4))])
+    program = build_schedule(plan).for_rank(0)
+    first_backward = next(i for i, a in enumerate(program) if a.kind is B)
+    # forwards before the first backward = activations held at the peak
+    assert first_backward == microbatches_in_flight(plan.schedule, (1, 3), 0, 8)
 
 
 @pytest.mark.parametrize("schedule_kind", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])

@@ -10,6 +10,7 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.comm import (
+    LINK_EFFICIENCY,
     LinkTable,
     ring_all_reduce_ms,
     ring_reduce_scatter_ms,
@@ -18,6 +19,7 @@ from zorse_lightning.planner.comm import (
 from zorse_lightning.planner.compute import pipeline_ms, round_trip_busy_ms, stage_microbatch_times
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, routes
 from zorse_lightning.planner.memory import reserve_gib
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
@@ -73,7 +75,7 @@ def test_transfer_and_ring_collectives() -> None:
 
 
 def test_ring_is_limited_by_its_slowest_link() -> None:
-    links = LinkTable(load_cluster("mix32_4types"))
+    links = LinkTable(load_cluster("mix32_4types"), efficiency=1.0)
     assert links.ring(tuple(range(4))) == (4800.0, 5.0)  # inside a100-0
     assert links.ring(tuple(range(8))) == (200.0, 20.0)  # a100-0 and a100-1 over InfiniBand
     assert links.ring((0, 31))[0] == 25.0  # a100-0 - t4-1: the default between machines
@@ -127,17 +129,44 @@ def test_plan_iteration_time_by_hand() -> None:
     assert cost.stages[0].busy_ms == pytest.approx(max(3 * a100_first, v100_first))
     assert cost.stages[0].latency_ms == pytest.approx(v100_first)
     assert cost.stages[1].busy_ms == pytest.approx(4 * a100_last)
-    transfer = 0.005 + 2 * LAYER_OUT / 1e10 * 1e3  # 5 us + 5e5 bytes at 80 Gb/s
+    rate = 1e10 * LINK_EFFICIENCY  # 80 Gb/s, priced at the measured goodput fraction
+    transfer = 0.005 + 2 * LAYER_OUT / rate * 1e3  # 5 us + 5e5 bytes
     assert cost.boundaries[0].transfer_ms == pytest.approx(transfer)
     assert cost.boundaries[0].busy_ms == pytest.approx(3 * transfer)  # rank 0 -> 2 carries 3 microbatches
     pipeline = v100_first + 2 * transfer + a100_last + max(3 * a100_first - v100_first, 3 * transfer - 2 * transfer, 3 * a100_last)
     assert cost.pipeline_ms == pytest.approx(pipeline)
-    sync = 2 * 1 / 2 * (2 * 2 * LAYER_PARAMS) / 1e10 * 1e3 + 2 * 0.005  # fp16 gradients of 2 layers over 2 ranks
+    sync = 2 * 1 / 2 * (2 * 2 * LAYER_PARAMS) / rate * 1e3 + 2 * 0.005  # fp16 gradients of 2 layers over 2 ranks
     assert cost.sync_ms == pytest.approx(sync)
     assert cost.iteration_ms == pytest.approx(pipeline + sync)
     predicted = prediction(ctx, _plan(), cost)
     assert predicted.samples_per_s == pytest.approx(8 / (pipeline + sync) * 1000)
     assert predicted.profile_source == {"a100x40": "measured", "v100x16": "measured"}
+
+
+def test_tied_embedding_gradient_is_synchronised_between_the_ends() -> None:
+    head_params = 3_000_000
+    profile = replace(_profile(), head=BlockShape("head", head_params, 0, 0, 0.0), tied_embedding_head=True)
+    ctx = CostContext.build(_inventory(), profile, memory_reserve_gib=0.5)
+    cost = plan_cost(ctx, _plan())
+    rate = 1e10 * LINK_EFFICIENCY
+    own = 2 * 1 / 2 * (2 * 2 * LAYER_PARAMS) / rate * 1e3 + 2 * 0.005  # stage 0's two ranks, as above
+    # ring all-reduce of the fp16 head gradient over the 3 ranks of the first and last stage
+    tied = 2 * 2 / 3 * (2 * head_params) / rate * 1e3 + 4 * 0.005
+    assert cost.tied_sync_ms == pytest.approx(tied)
+    assert cost.stage_sync_ms(0) == pytest.approx(own + tied)
+    assert cost.stage_sync_ms(1) == pytest.approx(tied)  # one rank: nothing of its own
+    assert cost.sync_ms == pytest.approx(own + tied)
+    untied = plan_cost(CostContext.build(_inventory(), replace(profile, tied_embedding_head=False), 0.5), _plan())
+    assert untied.sync_ms == pytest.approx(own)
+    one_stage = Plan("hand", "hand", 4, 3, 8, 2, Schedule.ONE_F_ONE_B, (
+        StagePlan((0, 1, 2), ("a100x40", "v100x16", "a100x40"), ("box",) * 3, (0, 4), (2, 1, 1)),
+    ))
+    assert plan_cost(ctx, one_stage).tied_sync_ms == 0.0  # the weight lives on one stage: no extra collective
+
+
+def test_link_efficiency_is_validated() -> None:
+    with pytest.raises(PlanningError, match="efficiency"):
+        LinkTable(_inventory(), efficiency=1.5)
 
 
 def test_memory_by_hand() -> None:

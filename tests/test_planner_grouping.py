@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner.comm import LinkTable
+from zorse_lightning.planner.comm import LINK_EFFICIENCY, LinkTable
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.grouping import (
     candidate_layouts,
@@ -13,7 +17,10 @@ from zorse_lightning.planner.grouping import (
     stage_counts_to_try,
     stage_orders,
 )
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.heuristic import speed_by_type
+from zorse_lightning.profiling.profile import BlockTimes, DeviceTimes, ProfileSource, TimeCurve
 
 from test_planner_fixtures import big_cluster, profile_for, real_gpu_profile
 
@@ -69,7 +76,7 @@ def test_orders_put_the_fastest_links_on_boundaries() -> None:
     # boundary is 10 < 25, so the best path keeps t4-1 next to a100-0
     best = orders[0]
     boundaries = [links.bandwidth_gbps(a[0], b[0]) for a, b in zip(best, best[1:])]
-    assert min(boundaries) == 25.0
+    assert min(boundaries) == 25.0 * LINK_EFFICIENCY
     assert all(sorted(r for s in order for r in s) == sorted(r for g in groups for r in g) for order in orders)
 
 
@@ -93,3 +100,15 @@ def test_layouts_of_1024_gpus_use_each_gpu_once() -> None:
     # racks of four machines share 200 Gb/s links: at 32 groups no rack is cut
     for groups in partitions(inventory, LinkTable(inventory), speed_by_type(ctx), [32], tuple(range(1024))):
         assert all(len({int(m[1:]) // 4 for m in machines}) == 1 for machines in _machines(inventory, groups))
+
+
+def test_speeds_stay_positive_when_a_slope_is_not() -> None:
+    # tiny blocks timed faster at 2 samples than at 1: slope -0.1 ms, one sample 0.5 + 1.0 ms
+    falling = BlockTimes(TimeCurve(-0.1, 0.6, (0.5, 0.4)), TimeCurve(-0.1, 1.1, (1.0, 0.9)))
+    device = DeviceTimes("t4", ProfileSource.MEASURED, falling, (falling,) * 2, falling)
+    assert per_sample_layer_ms(device) == pytest.approx(1.5)  # the one-sample time, not the slope
+    rising = BlockTimes(TimeCurve(0.2, 0.1), TimeCurve(0.4, 0.1))
+    assert per_sample_layer_ms(replace(device, layers=(rising,) * 2)) == pytest.approx(0.6)
+    inventory, links, speeds = _setup("mix32_4types")
+    with pytest.raises(PlanningError, match="must be positive"):
+        partitions(inventory, links, {**speeds, "t4": 0.0}, [3], tuple(range(32)))

@@ -12,7 +12,7 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.grouping import stage_orders
-from zorse_lightning.planner.heuristic import balanced_layer_counts, proportional_plan, speed_by_type
+from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
 from zorse_lightning.planner.problem import WindowCosts, block_extras
 from zorse_lightning.planner.search import PlannerOptions, _heuristic_plan, _layouts, _lower_bound_ms
 
@@ -56,7 +56,9 @@ def test_balanced_split_moves_layers_off_the_stage_with_the_head() -> None:
     ctx = CostContext.build(inventory, profile)
     layout = (tuple(range(4)), tuple(range(4, 8)))  # two stages of four A100s
     even = proportional_plan(ctx, layout, 2, 64)
-    balanced = proportional_plan(ctx, layout, 2, 64, windows=WindowCosts(ctx))
+    balanced = balanced_plan(
+        ctx, WindowCosts(ctx), layout, 2, 64, schedule=Schedule.ONE_F_ONE_B, recompute=False, speeds=speed_by_type(ctx)
+    )
     assert [s.num_layers for s in even.stages] == [6, 6]
     head_in_layers = block_extras(ctx, "a100x40", 2, False, True)[0] / WindowCosts(ctx).time_ms("a100x40", 2, False)[0]
     assert head_in_layers > 1.5

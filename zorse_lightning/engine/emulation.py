@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from zorse_lightning.engine.emulation_memory import (
     MemoryMeter,
     out_of_memory_message,
 )
+from zorse_lightning.engine.emulation_calibration import cost_key, min_costs
 from zorse_lightning.engine.emulation_timing import (
     BackwardEndMarker,
     BackwardStartMarker,
@@ -50,6 +51,7 @@ __all__ = [
     "cpu_cores_demanded",
     "emulated_modules",
     "emulation_spec_for_rank",
+    "named_emulated_modules",
 ]
 
 DEFAULT_FASTEST_SLOWDOWN = 3.0
@@ -106,7 +108,13 @@ def cpu_cores_demanded(inventory: ClusterInventory, fastest_slowdown: float = DE
 
 
 def emulated_modules(root: nn.Module) -> list[nn.Module]:
-    """Modules that cover the compute of ``root`` without nesting: the blocks, and the other parts whole.
+    """The modules of :func:`named_emulated_modules`, without their names."""
+    return [module for _, module in named_emulated_modules(root)]
+
+
+def named_emulated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that cover the compute of ``root`` without nesting, with their names in ``root``: the blocks,
+    and the other parts whole.
 
     The block list is the longest ``ModuleList``/``Sequential`` of at least two
     modules of one class; each block is emulated alone, so a pipeline stage pays
@@ -115,18 +123,18 @@ def emulated_modules(root: nn.Module) -> list[nn.Module]:
     (activations, dropout, metrics) cost little and are left alone.
     """
     blocks = _block_list(root)
-    covered: list[nn.Module] = []
+    covered: list[tuple[str, nn.Module]] = []
 
-    def cover(module: nn.Module) -> None:
-        for child in module.children():
+    def cover(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
             if child is blocks:
-                covered.extend(child.children())
+                covered.extend((f"{prefix}{name}.{n}", block) for n, block in child.named_children())
             elif blocks is not None and any(m is blocks for m in child.modules()):
-                cover(child)
+                cover(child, f"{prefix}{name}.")
             elif any(True for _ in child.parameters()):
-                covered.append(child)
+                covered.append((f"{prefix}{name}", child))
 
-    cover(root)
+    cover(root, "")
     return covered
 
 
@@ -173,10 +181,11 @@ class ComputeEmulator:
     made identical on every rank with :meth:`agree_costs`.
     """
 
-    def __init__(self, spec: EmulationSpec, rank: int | None = None) -> None:
+    def __init__(self, spec: EmulationSpec, rank: int | None = None, costs: Mapping[str, CallCost] | None = None) -> None:
+        """``costs``: calibrated costs to use (from :func:`calibrate_in_turn`); others are calibrated at first use."""
         self.spec = spec
         self.rank = rank
-        self._costs: dict[str, CallCost] = {}
+        self._costs: dict[str, CallCost] = dict(costs or {})
         self._handles: list[RemovableHandle] = []
         self._modules: tuple[nn.Module, ...] = ()
         self._counters = _Counters()
@@ -218,8 +227,12 @@ class ComputeEmulator:
 
     @property
     def calibrated_costs(self) -> dict[str, CallCost]:
-        """Per-sample CPU costs, keyed by ``"<module index>|<per-sample input shapes>"``."""
+        """Per-sample CPU costs, keyed by ``"<module name>|<per-sample input shapes>"`` (:func:`cost_key`)."""
         return dict(self._costs)
+
+    def load_costs(self, costs: Mapping[str, CallCost]) -> None:
+        """Use ``costs`` (calibrated elsewhere: another run, :func:`calibrate_in_turn`) for their keys."""
+        self._costs.update(costs)
 
     # -- memory --------------------------------------------------------------------------
 
@@ -252,9 +265,18 @@ class ComputeEmulator:
 
     # -- instrumentation -----------------------------------------------------------------
 
-    def instrument(self, modules: Sequence[nn.Module]) -> None:
-        """Emulate the compute of ``modules`` (disjoint: none may contain another) from now on."""
+    def instrument(self, modules: Sequence[nn.Module], names: Sequence[str] | None = None) -> None:
+        """Emulate the compute of ``modules`` (disjoint: none may contain another) from now on.
+
+        ``names`` (default: the positions) key the calibrated costs: give each
+        module's name in the whole model (:func:`named_emulated_modules`) so that
+        costs calibrated once serve a stage, a profile's copy of the blocks and
+        every rank alike.
+        """
         modules = tuple(modules)
+        names = tuple(names) if names is not None else tuple(str(i) for i in range(len(modules)))
+        if len(names) != len(modules):
+            raise ZorseUserError(f"instrument got {len(modules)} modules but {len(names)} names; give one name each")
         for outer in modules:
             for inner in modules:
                 if inner is not outer and any(m is inner for m in outer.modules()):
@@ -267,8 +289,8 @@ class ComputeEmulator:
         self._modules = modules
         if not self._memory_tracked:
             self._memory.track(modules)
-        for index, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
+        for name, module in zip(names, modules):
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(
                 module.register_forward_hook(self._post_hook(), with_kwargs=True, always_call=True)
             )
@@ -293,21 +315,13 @@ class ComputeEmulator:
             return
         gathered: list[dict[str, CallCost] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, self._costs, group=group)
-        merged: dict[str, CallCost] = {}
-        for costs in gathered:
-            for key, cost in (costs or {}).items():
-                known = merged.get(key, cost)
-                merged[key] = CallCost(
-                    min(known.forward_s_per_sample, cost.forward_s_per_sample),
-                    min(known.backward_s_per_sample, cost.backward_s_per_sample),
-                )
-        self._costs = merged
+        self._costs = min_costs(gathered)
 
-    def _pre_hook(self, index: int) -> Callable[..., tuple[tuple, dict]]:
+    def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             samples, signature = batch_size_and_signature(args, kwargs)
-            key = f"{index}|{signature}"
+            key = cost_key(name, signature)
             cost = self._costs.get(key)
             if cost is None:
                 cost = self._costs[key] = calibrate_call(module, args, kwargs, samples)

@@ -19,6 +19,7 @@ from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.memory import one_f_one_b_warmup
 from zorse_lightning.planner.plan import Plan
 
 
@@ -104,7 +105,7 @@ def microbatch_order(plan: Plan) -> tuple[int, ...]:
 def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions: GPipe (all forwards, then all backwards) or 1F1B."""
     order = microbatch_order(plan)
-    last = len(plan.stages) - 1
+    widths = tuple(len(stage.ranks) for stage in plan.stages)
     programs: list[tuple[Action, ...]] = [()] * plan.world_size
     for index, stage in enumerate(plan.stages):
         for rank, share in stage.microbatch_ranges().items():
@@ -116,12 +117,13 @@ def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action,
             elif plan.schedule is Schedule.GPIPE:
                 programs[rank] = tuple(forwards + backwards)
             else:
-                programs[rank] = _one_f_one_b(forwards, backwards, warmup=last - index)
+                programs[rank] = _one_f_one_b(forwards, backwards, warmup=one_f_one_b_warmup(widths, index))
     return tuple(programs)
 
 
 def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> tuple[Action, ...]:
-    """Warm-up forwards (one per later stage), then alternate forward/backward, then drain."""
+    """Warm-up forwards (enough to keep every later rank busy, see :func:`one_f_one_b_warmup`), then
+    alternate forward/backward, then drain."""
     warmup = min(warmup, len(forwards))
     program = list(forwards[:warmup])
     for forward, backward in zip(forwards[warmup:], backwards):

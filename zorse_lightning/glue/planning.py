@@ -10,6 +10,7 @@ gets a data-parallel plan, and the plan's notes say why.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,14 @@ from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
-from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank
+from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
+from zorse_lightning.engine.emulation_calibration import calibrate_in_turn
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
+from zorse_lightning.glue.validation import check_predicted_memory
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.profiling.profile import BlockShape
 
 PROFILE_OPTIONS = dict(max_microbatch_size=2, warmup=1, repeats=3)
 """Short: profiling runs at every start; the planner needs the slope per sample more than precision."""
@@ -33,8 +37,9 @@ def resolve_plan(source: Plan | str | Path, inventory: ClusterInventory | None, 
     plan = source if isinstance(source, Plan) else Plan.load(source)
     if plan.world_size != world_size:
         raise PlanningError(
-            f"the plan is for {plan.world_size} ranks but {world_size} processes run; launch "
-            f"{plan.world_size} (Trainer(devices=...)) or re-plan for this cluster"
+            f"the plan is for {plan.world_size} ranks but {world_size} processes were launched "
+            f"({'more' if world_size > plan.world_size else 'fewer'} than the plan has); launch {plan.world_size} "
+            f"(Trainer(devices=..., num_nodes=...), torchrun --nproc-per-node) or re-plan for this cluster"
         )
     return plan
 
@@ -54,6 +59,15 @@ def check_plan_against(plan: Plan, inventory: ClusterInventory) -> None:
                     f"stage {index} of the plan puts a {gpu_type} at rank {rank}, but cluster {inventory.name!r} "
                     f"has a {actual} there; the plan was made for another cluster: re-plan for this one"
                 )
+    check_predicted_memory(plan, inventory)
+
+
+def _one_sample_step(strategy: Any, batch: Any) -> None:
+    """The user's training step on the first sample of ``batch``, logs discarded, no gradients."""
+    from zorse_lightning.engine.microbatch import microbatch_slice
+
+    with capturing_logs(strategy.lightning_module, LogCapture(1)), torch.no_grad():
+        strategy.lightning_module.training_step(microbatch_slice(batch, 0, 1), 0)
 
 
 def _first_block_input(strategy: Any, blocks: BlockList, batch: Any) -> torch.Tensor:
@@ -67,12 +81,9 @@ def _first_block_input(strategy: Any, blocks: BlockList, batch: Any) -> torch.Te
         captured.append(args[0].detach())
         raise _Seen
 
-    from zorse_lightning.engine.microbatch import microbatch_slice
-
     handle = blocks.blocks[0].register_forward_pre_hook(hook)
     try:
-        with capturing_logs(strategy.lightning_module, LogCapture(1)), torch.no_grad():
-            strategy.lightning_module.training_step(microbatch_slice(batch, 0, 1), 0)
+        _one_sample_step(strategy, batch)
     except _Seen:
         pass
     finally:
@@ -82,30 +93,30 @@ def _first_block_input(strategy: Any, blocks: BlockList, batch: Any) -> torch.Te
     return captured[0]
 
 
-def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, inventory: ClusterInventory):
-    """This rank's profile if it is the first of its GPU type, else None (collective when emulated).
+def _block_names(blocks: BlockList) -> list[str]:
+    return [f"{blocks.path}.{name}" for name, _ in blocks.container.named_children()]
 
-    Emulated ranks calibrate the blocks' CPU cost first and agree on it (the
-    minimum over ranks) before timing: every type is then timed on the same CPU
-    cost, and the profile's ratios between types are exactly their speed ratios,
-    not those ratios times whatever contention each process met while calibrating.
+
+def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, inventory: ClusterInventory):
+    """This rank's profile if it is the first of its GPU type, else None.
+
+    Emulated ranks time the blocks through an emulator on the costs calibrated
+    once for the whole run (:func:`plan_at_start`): every type is timed on the
+    same CPU cost, so the profile's ratios between types are exactly their
+    speed ratios, and the run's emulation uses those same costs.
     """
     from zorse_lightning.profiling.measure import MeasureOptions, measure_blocks
 
     rank = strategy.global_rank
     my_type = inventory.gpus[rank].gpu_type.name
-    measures = next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) == rank
+    if next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) != rank:
+        return None
     measured_blocks = copy.deepcopy(blocks.blocks)
     emulator = None
-    if inventory.emulated and strategy.root_device.type == "cpu":
-        emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank)
-        emulator.instrument(measured_blocks)
-        if measures:
-            _calibrate(measured_blocks, example)
-        emulator.agree_costs()
+    if strategy.calibrated_costs is not None:
+        emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank, costs=strategy.calibrated_costs)
+        emulator.instrument(measured_blocks, names=_block_names(blocks))
     try:
-        if not measures:
-            return None
         return measure_blocks(
             measured_blocks, example, device=strategy.root_device, gpu_type=my_type,
             dtype=str(example.dtype).removeprefix("torch."),
@@ -116,16 +127,34 @@ def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, in
             emulator.remove()
 
 
-def _calibrate(blocks: list[torch.nn.Module], example: torch.Tensor) -> None:
-    """One call per block on the one-sample example: the emulator calibrates each block at its first call.
+def _edge_shapes(strategy: Any, blocks: BlockList, batch: Any, example: torch.Tensor) -> tuple[BlockShape, BlockShape, bool]:
+    """(embedding, head, tied) sizes: the parameters of the modules that run before and after the blocks.
 
-    One sample is the profile's smallest microbatch, whose per-sample CPU cost is
-    the highest: the most room for real compute before each deadline.
+    The blocks' profile has no embedding or head; without their parameters the
+    planner would count no memory for them and no all-reduce of a tied
+    embedding/head weight between the first and last stage. Their times stay
+    zero (not timed at start-up).
     """
-    with torch.no_grad():
-        x = example
-        for block in blocks:
-            x = block(x)
+    inside = {id(m) for b in blocks.blocks for m in b.modules()}
+    seen_block, before, after = [False], set(), set()
+
+    def hook(module, args):
+        if id(module) in inside:
+            seen_block[0] = True
+        else:
+            (after if seen_block[0] else before).update(id(p) for p in module.parameters(recurse=False))
+
+    root = strategy.lightning_module
+    handles = [m.register_forward_pre_hook(hook) for m in root.modules()]
+    try:
+        _one_sample_step(strategy, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    sizes = {id(p): p.numel() for p in root.parameters()}
+    embedding = BlockShape("embedding", sum(sizes[i] for i in before), 0, example.numel() * example.element_size(), 0.0)
+    head = BlockShape("head", sum(sizes[i] for i in after), 0, 0, 0.0)
+    return embedding, head, bool(before & after)
 
 
 def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
@@ -146,12 +175,21 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
         blocks, options = None, _without_pipeline(options, str(error))
     if blocks is None:
         return data_parallel_plan(inventory, global_batch_size, options.no_pipeline_reason)
-    example = _first_block_input(strategy, blocks, next(iter(loader)))
+    batch = next(iter(loader))
+    example = _first_block_input(strategy, blocks, batch)
+    if inventory.emulated and strategy.root_device.type == "cpu":
+        strategy.calibrated_costs = calibrate_in_turn(
+            named_emulated_modules(strategy.lightning_module), lambda: _one_sample_step(strategy, batch)
+        )
     measured = [None] * strategy.world_size
     dist.all_gather_object(measured, _measure_my_type(strategy, blocks, example, inventory))
     plan = None
     if strategy.global_rank == 0:
-        profile = assemble_profile([m for m in measured if m is not None], model=type(strategy.lightning_module).__name__)
+        embedding, head, tied = _edge_shapes(strategy, blocks, batch, example)
+        profile = assemble_profile(
+            [m for m in measured if m is not None], model=type(strategy.lightning_module).__name__, tied_embedding_head=tied
+        )
+        profile = replace(profile, embedding=embedding, head=head)
         plan = make_plan(inventory, profile, global_batch_size, options)
         strategy.start_up_profile = profile  # kept for reports (timeline.png) on rank 0
     return strategy.broadcast(plan)
@@ -202,8 +240,6 @@ def _within_profiled_sizes(options: Any) -> Any:
     with the size (seen on cpu_sim4: a 32-sample microbatch given to the A100
     alone, the three other ranks idle, predicted faster than a balanced split).
     """
-    from dataclasses import replace
-
     if options.microbatch_size is not None:
         return options
     largest = PROFILE_OPTIONS["max_microbatch_size"]
@@ -211,6 +247,4 @@ def _within_profiled_sizes(options: Any) -> Any:
 
 
 def _without_pipeline(options: Any, reason: str) -> Any:
-    from dataclasses import replace
-
     return replace(options, allow_pipeline=False, no_pipeline_reason=reason)

@@ -8,7 +8,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torch import nn
 
-from zorse_lightning.engine.emulation import ComputeEmulator, emulated_modules, emulation_spec_for_rank
+from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
 from zorse_lightning.engine.cutting import StageCut, StageOutput
 from zorse_lightning.engine.executor import PipelineEngine
 
@@ -23,21 +23,27 @@ class StageEmulation:
 
     @classmethod
     def start(cls, strategy: Any, engine: PipelineEngine) -> StageEmulation:
+        """This rank's emulation, on the costs calibrated at start-up when the strategy planned (so the run
+        and the profile behind its prediction use the same costs), else on costs calibrated at first use."""
         rank = strategy.global_rank
-        emulator = ComputeEmulator(emulation_spec_for_rank(strategy.inventory, rank), rank=rank)
+        costs = strategy.calibrated_costs
+        emulator = ComputeEmulator(emulation_spec_for_rank(strategy.inventory, rank), rank=rank, costs=costs)
         module = strategy.lightning_module
+        named = named_emulated_modules(module)
         if engine.cut is None:
-            emulator.instrument(emulated_modules(module))
             boundaries = None
         else:
-            emulator.instrument(_stage_modules(module, engine.cut))
+            named = _stage_modules(module, engine.cut, named)
+        emulator.instrument([m for _, m in named], names=[n for n, _ in named])
+        if engine.cut is not None:
             boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
         emulator.track_memory(module, strategy.optimizers)
         return cls(emulator, boundaries)
 
     def after_step(self) -> None:
         if not self._costs_agreed:
-            # Ranks of one type calibrate alike; the collective runs on every rank at the same step.
+            # Costs calibrated at start-up are alike on every rank and stay as they are; any module first
+            # called in the run was calibrated by its rank alone. The collective runs on every rank at the same step.
             self.emulator.agree_costs()
             self._costs_agreed = True
         self.emulator.check_memory()
@@ -48,24 +54,22 @@ class StageEmulation:
         self.emulator.remove()
 
 
-def _stage_modules(root: nn.Module, cut: StageCut) -> list[nn.Module]:
-    """The stage's modules, each at its index in the whole model's list (blocks, then pre, then post modules).
+def _stage_modules(
+    root: nn.Module, cut: StageCut, named: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """The stage's share of ``named`` (the whole model's emulated modules): its blocks, and the
+    modules before the blocks on the first stage and after them on the last.
 
-    The emulator keys calibrated costs by position in the list it instruments,
-    and :meth:`ComputeEmulator.agree_costs` takes the minimum per key over all
-    ranks. Positions must therefore name the same module on every stage, or a
-    final norm on the last stage would lend its small cost to a block of
-    another stage. Modules this rank does not run keep their position with a
-    placeholder that is never called.
+    Names stay those of the whole model, so the stage finds the costs calibrated
+    for the whole model at start-up, and agreeing costs over ranks never lends
+    one module's cost to another.
     """
     start, end = cut.stage.layers
-    canonical: list[nn.Module | None] = [b if start <= i < end else None for i, b in enumerate(cut.blocks.blocks)]
-    seen: set[str] = set()
+    here = {id(b) for b in cut.blocks.blocks[start:end]}
     for names, runs_here in ((cut.analysis.pre_modules, cut.is_first), (cut.analysis.post_modules, cut.is_last)):
-        for name in names:
-            canonical.append(root.get_submodule(name) if runs_here and name not in seen else None)
-            seen.add(name)
-    return [m if m is not None else nn.Identity() for m in canonical]
+        if runs_here:
+            here.update(id(m) for name in names for m in root.get_submodule(name).modules())
+    return [(n, m) for n, m in named if id(m) in here]
 
 
 class _StageBoundaries:

@@ -11,7 +11,6 @@ clipping and the optimizer; clipping uses the global norm over all stages.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -33,15 +32,18 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.glue.detection import detect_cluster
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.faults import FaultPolicy, Watchdog
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups
 from zorse_lightning.glue import checkpointing
 from zorse_lightning.glue.accelerator import resolve_accelerator
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
+from zorse_lightning.glue.recovery import start_watchdog
 from zorse_lightning.glue.precision import PrecisionChoice, resolve_precision
 from zorse_lightning.glue.sampler import PlanBatchSampler, SamplerState, plan_dataloader
 from zorse_lightning.glue.stage_emulation import StageEmulation
+from zorse_lightning.glue.validation import check_detected_devices, check_plan_for_module, local_device_report
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.profiling.profile import ModelProfile
 
@@ -63,13 +65,15 @@ class ZorseStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         schedule: str | None = None,
         precision: str = "auto",
+        faults: FaultPolicy = FaultPolicy(),
         **kwargs: Any,
     ) -> None:
         """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
         start); ``block_path``: attribute path of the block list (else found); ``seed``: of the sampler's
         shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated);
         ``precision``: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU),
-        or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``."""
+        or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``; ``faults``: how long a silent rank
+        may be before every other rank stops with an error naming it."""
         if cluster is None and "environment" in kwargs:
             kwargs["cluster_environment"] = kwargs.pop("environment")
         if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
@@ -81,6 +85,8 @@ class ZorseStrategy(ParallelStrategy):
         self._plan: Plan | None = None
         self.start_up_profile: ModelProfile | None = None
         """The profile measured at start-up (rank 0 only; None when a plan was given)."""
+        self.calibrated_costs: dict | None = None
+        """Emulated CPU costs calibrated once at start-up (glue/planning.py), reused by the run's emulation."""
         self._planner_options = planner_options
         self._schedule_override = schedule
         self._precision = precision
@@ -89,6 +95,8 @@ class ZorseStrategy(ParallelStrategy):
         self.seed = seed
         self._emulate = emulate
         self._timeout = timeout
+        self._faults = faults
+        self._watchdog: Watchdog | None = None
         self._start_method = start_method
         self._num_nodes = 1
         self._engine: PipelineEngine | None = None
@@ -217,6 +225,7 @@ class ZorseStrategy(ParallelStrategy):
 
     def _set_precision(self) -> None:
         if self.inventory is not None:
+            check_detected_devices(self.inventory, checkpointing.all_gather(local_device_report(self.root_device)))
             gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
         else:
             gathered: list[Any] = [None] * self.world_size
@@ -231,12 +240,14 @@ class ZorseStrategy(ParallelStrategy):
     def _set_plan(self, plan: Plan) -> None:
         if self.inventory is not None:
             check_plan_against(plan, self.inventory)
+        check_plan_for_module(plan, self.lightning_module, self.block_path, self.inventory)
         if self._schedule_override is not None:
             plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
         if self._precision_choice is not None and self._precision_choice.note not in plan.notes:
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
         self._plan = plan
         groups = build_groups(plan, self.global_rank, self._timeout)
+        self._watchdog = start_watchdog(self.cluster_environment, plan, self.inventory, self.global_rank, self._faults)
         self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
 
     @override
@@ -400,15 +411,11 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._engine is None or not self._engine.prepared:
-            return super().lightning_module_state_dict()
-        return checkpointing.gather_module_state(self.lightning_module)
+        return checkpointing.local_module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._engine is None or not self._engine.prepared:
-            return super().optimizer_state(optimizer)
-        return checkpointing.gather_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
+        return checkpointing.local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -420,14 +427,16 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self._plan is not None:
-            state = self._samplers[0].state(self._samples_done) if self._samplers else None
-            checkpoint["zorse"] = {"plan": self._plan.to_dict(), "sampler": asdict(state) if state else None}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        """Atomic across ranks: every rank writes its share, then rank 0 publishes (see checkpointing)."""
+        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
+        checkpoint["zorse"] = checkpointing.zorse_section(self._plan, self.inventory, sampler)
+        checkpointing.save(checkpoint, filepath, checkpointing.manifest_metadata(self.lightning_module, self._plan))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not checkpointing.is_checkpoint_directory(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = checkpointing.load(checkpoint_path, self.global_rank, self.world_size)
         sampler = (checkpoint.get("zorse") or {}).get("sampler")
         if sampler:
             self._samples_done = sampler["samples_done"]
@@ -435,8 +444,18 @@ class ZorseStrategy(ParallelStrategy):
         return checkpoint
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Another rank's loss or failure is named here; an error of this rank's own is told to the others."""
+        if self._watchdog is not None:
+            lost = self._watchdog.explain(exception)
+            if lost is not None:
+                raise lost from exception
+
+    @override
     def teardown(self) -> None:
         """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._emulation is not None:
             self._emulation.stop()
         self.cluster_environment.teardown()

@@ -13,6 +13,11 @@ What overlaps and what does not (the pipeline formula in :mod:`.compute` uses th
 
 Links between machines are shared by every GPU pair of the two machines; links
 inside a machine are taken per GPU pair.
+
+Links are priced at :data:`LINK_EFFICIENCY` of their nominal rate (the
+inventory's ``bandwidth_gbps``): what a transport delivers of a link's rate.
+The functions of this module take the rate to use; :class:`LinkTable`, through
+which every plan is priced, hands out the effective one.
 """
 
 from __future__ import annotations
@@ -20,10 +25,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import gbps_to_bytes_per_s
 
 MS_PER_S = 1000.0
 US_PER_MS = 1000.0
+
+LINK_EFFICIENCY = 0.95
+"""Fraction of a link's nominal rate that transfers and collectives achieve.
+
+Measured here on links shaped with ``tc ... tbf`` (100 Mbit/s): a TCP stream
+delivers about 95% of the shaped rate (headers, acknowledgements). One factor
+on every link, so a link's rate in the cluster config stays the rate a user
+knows (the shaper's, the NIC's) and the goodput is derived from it here.
+"""
 
 
 def transfer_ms(num_bytes: float, bandwidth_gbps: float, latency_us: float) -> float:
@@ -66,14 +81,21 @@ class LinkTable:
     """
 
     inventory: ClusterInventory
+    efficiency: float = LINK_EFFICIENCY
+    """Effective rate / nominal rate of every link (see :data:`LINK_EFFICIENCY`); 1.0 prices nominal rates."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _machines: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.efficiency <= 1.0:
+            raise PlanningError(
+                f"link efficiency={self.efficiency!r} must be in (0, 1]: it is the fraction of a link's nominal "
+                f"rate that transfers achieve; use {LINK_EFFICIENCY} (measured) or 1.0 for nominal rates"
+            )
         object.__setattr__(self, "_machines", tuple(g.machine for g in self.inventory.gpus))
 
     def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
-        """(key of the shared link, bandwidth_gbps, latency_us) between two ranks."""
+        """(key of the shared link, effective bandwidth_gbps, latency_us) between two ranks."""
         ma, mb = self._machines[rank_a], self._machines[rank_b]
         if ma == mb:
             key: LinkKey = ("gpus", rank_a, rank_b)
@@ -82,7 +104,10 @@ class LinkTable:
             key = ("machines", ma, mb)
             cached = self._cache.get(key)
         if cached is None:
-            cached = (self.inventory.bandwidth_gbps(rank_a, rank_b), self.inventory.latency_us(rank_a, rank_b))
+            cached = (
+                self.inventory.bandwidth_gbps(rank_a, rank_b) * self.efficiency,
+                self.inventory.latency_us(rank_a, rank_b),
+            )
             self._cache[("intra", ma, rank_a == rank_b) if ma == mb else key] = cached
         return key, cached[0], cached[1]
 

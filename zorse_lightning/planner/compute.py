@@ -104,6 +104,16 @@ def pipeline_ms(latencies_ms: list[float], busy_ms: list[float]) -> float:
 
 
 def per_sample_layer_ms(device: DeviceTimes) -> float:
-    """Forward plus backward slope of an average layer: the type's cost of one sample-layer."""
+    """Forward plus backward cost of one sample through an average layer: the type's speed, inverted.
+
+    The slope of the fitted line where it is positive; where it is not (tiny
+    blocks whose per-call overhead dominates can time faster at two samples
+    than at one), the time of a one-sample microbatch, which is positive by
+    construction (``TimeCurve.at`` floors it). Speeds are ratios of these, and
+    the grouping takes their logarithm: a zero or negative cost has no speed.
+    """
     layers = device.layers
-    return sum(b.forward.slope_ms + b.backward.slope_ms for b in layers) / len(layers)
+    slope = sum(b.forward.slope_ms + b.backward.slope_ms for b in layers) / len(layers)
+    if slope > 0:
+        return slope
+    return sum(b.forward.at(1) + b.backward.at(1) for b in layers) / len(layers)

@@ -4,11 +4,11 @@ them are compared in one model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.comm import LinkTable, stage_sync_ms, transfer_ms
+from zorse_lightning.planner.comm import LinkTable, ring_sync_ms, stage_sync_ms, transfer_ms
 from zorse_lightning.planner.compute import (
     MicrobatchTimes,
     pipeline_ms,
@@ -85,6 +85,14 @@ class PlanCost:
     boundaries: tuple[BoundaryCost, ...]
     pipeline_ms: float
     sync_ms: float
+    """The slowest stage's synchronisation (:meth:`stage_sync_ms`)."""
+    tied_sync_ms: float = 0.0
+    """The tied embedding/head all-reduce the first and last stages add (:func:`tied_sync_ms`)."""
+
+    def stage_sync_ms(self, index: int) -> float:
+        """Synchronisation of stage ``index`` after its last backward, the tied weight's included."""
+        ends = index in (0, len(self.stages) - 1) and len(self.stages) > 1
+        return self.stages[index].sync_ms + (self.tied_sync_ms if ends else 0.0)
 
     @property
     def iteration_ms(self) -> float:
@@ -146,6 +154,10 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     )
 
 
+def plan_stage_widths(plan: Plan) -> tuple[int, ...]:
+    return tuple(len(stage.ranks) for stage in plan.stages)
+
+
 def stage_memory(
     ctx: CostContext, plan: Plan, index: int, fractions: tuple[float, ...], stage: StagePlan | None = None
 ) -> tuple[RankMemory, ...]:
@@ -157,13 +169,13 @@ def stage_memory(
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
-    num_stages, schedule = len(plan.stages), plan.schedule
+    widths, schedule = plan_stage_widths(plan), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
     for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions):
         key = (n, fraction, ctx.reserves_bytes[rank])
         if key not in alike:
-            flight = microbatches_in_flight(schedule, num_stages, index, n)
+            flight = microbatches_in_flight(schedule, widths, index, n)
             alike[key] = RankMemory(held, sharded * fraction, per_microbatch * flight, key[2])
         out.append(alike[key])
     return tuple(out)
@@ -182,6 +194,7 @@ def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
     stages = tuple(stage_cost(ctx, plan, i) for i in range(len(plan.stages)))
     boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
     latencies, busy = [], []
+    widths = plan_stage_widths(plan)
     for i, stage in enumerate(stages):
         latencies.append(stage.latency_ms)
         busy.append(stage.busy_ms)
@@ -191,10 +204,28 @@ def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
     for i, (stage_plan, stage) in enumerate(zip(plan.stages, stages)):
         element = 2 * i  # stages and boundaries alternate
         counts = list(stage_plan.microbatches_per_rank)
-        in_flight = [microbatches_in_flight(plan.schedule, len(stages), i, n) for n in counts]
+        in_flight = [microbatches_in_flight(plan.schedule, widths, i, n) for n in counts]
         waiting = round_trip_busy_ms([t.total_ms for t in stage.times], counts, in_flight, sum(latencies[element + 1 :]))
         busy[element] = max(busy[element], waiting)
-    return PlanCost(stages, boundaries, pipeline_ms(latencies, busy), max(s.sync_ms for s in stages))
+    tied = tied_sync_ms(ctx, plan.stages[0].ranks, plan.stages[-1].ranks) if len(stages) > 1 else 0.0
+    cost = PlanCost(stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied)
+    return replace(cost, sync_ms=max(cost.stage_sync_ms(i) for i in range(len(stages))))
+
+
+def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tuple[int, ...]) -> float:
+    """All-reduce of a tied embedding/head weight's gradient between the first and the last stage.
+
+    The engine sums that gradient over the ranks of both stages every step,
+    after each stage's own synchronisation and not overlapped with it, over
+    whatever link joins them (often the slowest: the pipeline's two ends). The
+    shared weight is the head's (a tied head holds nothing else).
+    """
+    if not ctx.profile.tied_embedding_head:
+        return 0.0
+    gradient_bytes = ctx.profile.head.parameters * state_bytes_per_parameter(ctx.profile.dtype).gradients
+    ranks = tuple(sorted(set(first_ranks) | set(last_ranks)))
+    bandwidth_gbps, latency_us = ctx.links.ring(ranks)
+    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded=False)
 
 
 def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.comm import LinkTable
 
 Layout = tuple[tuple[int, ...], ...]
@@ -61,6 +62,13 @@ def partitions(
 ) -> list[list[tuple[int, ...]]]:
     """Agglomerate the cells of ``ranks`` by descending bandwidth; ties merge GPUs of
     similar speed first."""
+    not_positive = {t: v for t, v in speed_by_type.items() if not v > 0}
+    if not_positive:
+        raise PlanningError(
+            f"speeds {not_positive} must be positive (sample-layers per ms): the profile gives these types a "
+            f"zero or negative cost per sample; re-profile them, or pass speeds from "
+            f"heuristic.speed_by_type, which falls back to the one-sample time"
+        )
     found = cells(inventory, ranks)
     parent = list(range(len(found)))
 

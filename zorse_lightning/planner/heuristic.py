@@ -1,9 +1,9 @@
 """Proportional plans: layers and microbatches in proportion to speed, rounded.
 
 The Zorse paper's public code splits this way, and the baselines use it as is.
-The search uses it as a quick upper bound for each candidate before running the
-integer program, and also tries the same microbatch split with layers that
-balance the stages' busy time (:func:`balanced_layer_counts`): speed alone
+The search prices a quick split of each candidate before running the integer
+program, as an upper bound and a fallback plan: the same microbatches with layers
+that balance the stages' busy time (:func:`balanced_plan`), since speed alone
 ignores the embedding and head the end stages hold and the per-microbatch
 intercepts, and a poor upper bound misleads which candidates get a program.
 """
@@ -16,6 +16,7 @@ from dataclasses import replace
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.ilp import AssignmentProblem, layer_options
 from zorse_lightning.planner.plan import Plan, SolverRecord
 from zorse_lightning.planner.problem import WindowCosts, block_extras, layout_plan, stage_plan, with_free_memory_shards
 from zorse_lightning.planner.rounding import proportional_counts
@@ -29,6 +30,13 @@ def speed_by_type(ctx: CostContext) -> dict[str, float]:
 HEURISTIC = SolverRecord("heuristic", "not an optimisation")
 
 
+def microbatch_split(
+    ctx: CostContext, layout: tuple[tuple[int, ...], ...], num_microbatches: int, speeds: dict[str, float]
+) -> list[list[int]]:
+    """Per stage, microbatches per GPU in proportion to its speed (largest-remainder rounding)."""
+    return [proportional_counts(num_microbatches, [speeds[ctx.inventory.gpus[r].gpu_type.name] for r in ranks]) for ranks in layout]
+
+
 def proportional_plan(
     ctx: CostContext,
     layout: tuple[tuple[int, ...], ...],
@@ -39,25 +47,62 @@ def proportional_plan(
     sharding: Sharding = Sharding.OPTIMIZER,
     recompute: bool = False,
     speeds: dict[str, float] | None = None,
-    windows: WindowCosts | None = None,
 ) -> Plan:
-    """Microbatches per GPU in proportion to its speed (largest-remainder rounding); layers
-    per stage in proportion to the stage's summed speed, or, given ``windows``, by
-    :func:`balanced_layer_counts`. Not priced yet."""
+    """Layers per stage in proportion to the stage's summed speed, microbatches per GPU in
+    proportion to its speed (largest-remainder rounding); not priced yet."""
     speeds = speeds or speed_by_type(ctx)
-    speed = [[speeds[ctx.inventory.gpus[r].gpu_type.name] for r in ranks] for ranks in layout]
-    num_m = global_batch_size // microbatch_size
-    microbatches = [proportional_counts(num_m, stage_speed) for stage_speed in speed]
-    if windows is None:
-        layer_counts = proportional_counts(ctx.profile.num_layers, [sum(s) for s in speed], minimum=1)
-    else:
-        layer_counts = balanced_layer_counts(ctx, windows, layout, microbatch_size, microbatches, recompute)
+    stage_speeds = [sum(speeds[ctx.inventory.gpus[r].gpu_type.name] for r in ranks) for ranks in layout]
+    layer_counts = proportional_counts(ctx.profile.num_layers, stage_speeds, minimum=1)
+    microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds)
+    return _split_plan(ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute)
+
+
+def balanced_plan(
+    ctx: CostContext,
+    windows: WindowCosts,
+    layout: tuple[tuple[int, ...], ...],
+    microbatch_size: int,
+    global_batch_size: int,
+    *,
+    schedule: Schedule,
+    recompute: bool,
+    speeds: dict[str, float],
+    fit: tuple[AssignmentProblem, list[list[tuple[int, ...]]]] | None = None,
+) -> Plan | None:
+    """Microbatches as :func:`proportional_plan`, layers by :func:`balanced_layer_counts`,
+    state sharded; not priced yet. ``fit``: the candidate's integer program and rank
+    groups, to cap each stage's layers at what its memory holds in the program's
+    (conservative) memory model; None when no split then fits."""
+    microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds)
+    max_layers = None if fit is None else _max_layers_that_fit(*fit, layout, microbatches)
+    counts = balanced_layer_counts(ctx, windows, layout, microbatch_size, microbatches, recompute, max_layers)
+    if counts is None:
+        return None
+    return _split_plan(
+        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, Sharding.OPTIMIZER, recompute
+    )
+
+
+def _split_plan(ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute) -> Plan:
     stages, start = [], 0
     for ranks, stage_microbatches, count in zip(layout, microbatches, layer_counts):
         stages.append(stage_plan(ctx, ranks, (start, start + count), stage_microbatches, sharding, recompute))
         start += count
     plan = layout_plan(ctx, stages, global_batch_size, microbatch_size, schedule, solver=HEURISTIC)
     return with_free_memory_shards(ctx, plan)
+
+
+def _max_layers_that_fit(
+    problem: AssignmentProblem, groups: list[list[tuple[int, ...]]], layout: tuple[tuple[int, ...], ...], microbatches: list[list[int]]
+) -> list[int]:
+    """Per stage, the most layers its GPUs hold with these microbatches (0: not even one)."""
+    out = []
+    for s, (stage_groups, ranks, counts) in enumerate(zip(groups, layout, microbatches)):
+        per_rank = dict(zip(ranks, counts))
+        busiest = [max(per_rank[r] for r in group) for group in stage_groups]
+        fitting = [k for k, limits in layer_options(problem, s).items() if all(q <= cap for q, cap in zip(busiest, limits))]
+        out.append(max(fitting, default=0))
+    return out
 
 
 def balanced_layer_counts(
@@ -67,15 +112,20 @@ def balanced_layer_counts(
     microbatch_size: int,
     microbatches: list[list[int]],
     recompute: bool,
-) -> list[int]:
-    """Layers per stage (at least one each) minimising the busiest stage's compute, the
-    embedding and head included, for the given microbatches per GPU.
+    max_layers: list[int] | None = None,
+) -> list[int] | None:
+    """Layers per stage (at least one each, at most ``max_layers``) minimising the busiest
+    stage's compute, the embedding and head included, for the given microbatches per
+    GPU; None when the caps leave no split.
 
     Greedy: every next layer goes to the stage that is least busy with it. A stage's
     busy time is convex in its layer count (a maximum over its GPUs of linear
-    functions), so the greedy split is optimal for this min-max.
+    functions), so the greedy split is optimal for this min-max, caps included.
     """
     num_layers, num_stages = ctx.profile.num_layers, len(layout)
+    caps = max_layers or [num_layers - num_stages + 1] * num_stages
+    if min(caps) < 1 or sum(caps) < num_layers:
+        return None
     busiest = []  # per stage: (gpu type, most microbatches on one GPU of that type)
     for ranks, counts in zip(layout, microbatches):
         most: dict[str, int] = {}
@@ -92,12 +142,12 @@ def balanced_layer_counts(
         )
 
     counts = [1] * num_stages
-    heap = [(busy_ms(s, 2), s) for s in range(num_stages) if num_layers > num_stages]
+    heap = [(busy_ms(s, 2), s) for s in range(num_stages) if caps[s] > 1]
     heapq.heapify(heap)
     for _ in range(num_layers - num_stages):
         _, s = heapq.heappop(heap)
         counts[s] += 1
-        if counts[s] < num_layers:
+        if counts[s] < caps[s]:
             heapq.heappush(heap, (busy_ms(s, counts[s] + 1), s))
     return counts
 

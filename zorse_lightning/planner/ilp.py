@@ -136,7 +136,7 @@ def _fits_sharded(stage: StageCosts, k: int, limits: list[int]) -> bool:
     return -held >= sharded
 
 
-def _layer_options(problem: AssignmentProblem, stage: int) -> dict[int, list[int]]:
+def layer_options(problem: AssignmentProblem, stage: int) -> dict[int, list[int]]:
     """Layer counts the stage may take (at least one layer each, or the pin) that fit,
     with each group's microbatch limit."""
     spec = problem.stages[stage]
@@ -168,7 +168,7 @@ def solve_assignment(
     """
     pulp = _pulp()
     num_m = problem.num_microbatches
-    options = [_layer_options(problem, s) for s in range(len(problem.stages))]
+    options = [layer_options(problem, s) for s in range(len(problem.stages))]
     if any(not o for o in options):
         return None
     prob = pulp.LpProblem("zorse_assignment", pulp.LpMinimize)

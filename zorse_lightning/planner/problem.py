@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.comm import ring_sync_ms, transfer_ms
-from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions
+from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, tied_sync_ms
 from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
-from zorse_lightning.planner.memory import stage_state_bytes, state_bytes_per_parameter
+from zorse_lightning.planner.memory import one_f_one_b_warmup, stage_state_bytes, state_bytes_per_parameter
 from zorse_lightning.planner.plan import Plan, StagePlan
 
 
@@ -120,8 +120,10 @@ def build_problem(
     """The integer program of a candidate, and the rank groups its variables refer to."""
     profile, m = ctx.profile, candidate.microbatch_size
     num_layers, num_stages = profile.num_layers, len(candidate.layout)
+    widths = tuple(len(ranks) for ranks in candidate.layout)
     gradient_bytes_per_param = state_bytes_per_parameter(profile.dtype).gradients
     message_bytes = max(b.output_bytes_per_sample for b in profile.layers) * m
+    tied_ms = tied_sync_ms(ctx, candidate.layout[0], candidate.layout[-1]) if num_stages > 1 else 0.0
     stages, all_groups = [], []
     for s, ranks in enumerate(candidate.layout):
         first, last = s == 0, s == num_stages - 1
@@ -151,10 +153,11 @@ def build_problem(
                 latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
                 sync_ms=tuple(
                     ring_sync_ms(p * gradient_bytes_per_param, len(ranks), bandwidth_gbps, latency_us, sharding is not Sharding.NONE)
+                    + (tied_ms if first or last else 0.0)
                     for p in params
                 ),
                 sharded_bytes=tuple(stage_state_bytes(p, profile.dtype, sharding)[1] for p in params),
-                max_in_flight=None if candidate.schedule is Schedule.GPIPE else num_stages - s,
+                max_in_flight=None if candidate.schedule is Schedule.GPIPE else one_f_one_b_warmup(widths, s) + 1,
             )
         )
         all_groups.append(groups)

@@ -6,8 +6,9 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 
 1. In increasing order of a lower bound on the iteration time (see
    :func:`_lower_bound_ms`), each candidate gets a heuristic split priced
-   (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute,
-   or by speed when that does not fit): an upper bound and a valid fallback plan.
+   (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute;
+   when that does not fit, layers by speed, then the balance within each stage's
+   memory): an upper bound and a valid fallback plan.
    Candidates whose bound reaches the best plan so far are skipped.
 2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
@@ -32,7 +33,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
 from zorse_lightning.planner.evaluate import CostContext, stage_memory
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.heuristic import priced, proportional_plan, speed_by_type
+from zorse_lightning.planner.heuristic import balanced_plan, priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -122,7 +123,7 @@ def make_plan(
             break
         heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
         best = _faster(best, heuristic)
-        scored.append((_program_priority(heuristic, bound), bound, i, layout, m, schedule, heuristic))
+        scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
     for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
         if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
@@ -149,10 +150,6 @@ def make_plan(
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 
-def _program_priority(heuristic: Plan | None, bound_ms: float) -> float:
-    return heuristic.predicted.iteration_ms if heuristic else float("inf")
-
-
 def _faster(a: Plan | None, b: Plan | None) -> Plan | None:
     if a is None or (b is not None and b.predicted.iteration_ms < a.predicted.iteration_ms):
         return b
@@ -170,17 +167,26 @@ def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
 
 
 def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
-    """A candidate's balanced split (else, when that does not fit, its proportional split),
-    priced: an upper bound, and a fallback plan. Pinned layer counts are applied by the
-    integer program only."""
+    """A candidate's balanced split, else its proportional split, else its balanced split
+    within each stage's memory, priced (the first that fits): an upper bound, and a
+    fallback plan. Pinned layer counts are applied by the integer program only."""
     if options.layer_counts is not None:
         return None
     for recompute in (False, True):
-        for split_by in (windows, None):
-            plan = proportional_plan(
-                ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds, windows=split_by
-            )
-            plan = priced(ctx, _unshard_where_it_fits(ctx, plan))
+
+        def within_memory():
+            candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
+            fit = build_problem(ctx, windows, candidate, global_batch_size, None)
+            return balanced_plan(ctx, windows, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds, fit=fit)
+
+        splits = (
+            lambda: balanced_plan(ctx, windows, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds),
+            lambda: proportional_plan(ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds),
+            within_memory,
+        )
+        for split in splits:
+            plan = split()
+            plan = plan and priced(ctx, _unshard_where_it_fits(ctx, plan))
             if plan is not None:
                 return plan
     return None

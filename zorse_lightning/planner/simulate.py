@@ -27,7 +27,8 @@ from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.planner.comm import transfer_ms
-from zorse_lightning.planner.evaluate import CostContext, plan_cost
+from zorse_lightning.planner.evaluate import CostContext, plan_cost, plan_stage_widths
+from zorse_lightning.planner.memory import microbatches_in_flight
 from zorse_lightning.planner.plan import Plan
 
 
@@ -89,9 +90,10 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     ]
     link_free: dict = {}
     ranks: dict[int, _Rank] = {}
+    widths = plan_stage_widths(plan)
     for s, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
         for r, times, mbs in zip(stage.ranks, stage_cost.times, stage.microbatch_ranges().values()):
-            limit = len(mbs) if plan.schedule is Schedule.GPIPE else min(len(mbs), num_stages - s)
+            limit = microbatches_in_flight(plan.schedule, widths, s, len(mbs))
             ranks[r] = _Rank(r, s, list(mbs), limit, times.forward_ms, times.backward_ms)
     forward_ready = {(0, j): 0.0 for j in range(plan.num_microbatches)}
     backward_ready: dict[tuple[int, int], float] = {}
@@ -130,9 +132,9 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     done = sum(s.backwarded for s in ranks.values())
     if done != plan.num_microbatches * num_stages:
         raise RuntimeError(f"simulation stalled after {done} of {plan.num_microbatches * num_stages} backwards")
-    for stage, stage_cost in zip(plan.stages, cost.stages):
+    for index, stage in enumerate(plan.stages):
         end = max(ranks[r].free_at for r in stage.ranks)
-        events.extend(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, end + stage_cost.sync_ms) for r in stage.ranks)
+        events.extend(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, end + cost.stage_sync_ms(index)) for r in stage.ranks)
     return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
 
 

@@ -1,0 +1,171 @@
+"""Lost ranks and failed ranks: every survivor stops, within a bounded time, naming who and which stage.
+
+Process-group timeouts alone do not suffice: a point-to-point receive from a
+live rank that itself waits on a dead one can block for the whole timeout
+(minutes by default), and the error then names a socket, not a rank. So each
+rank runs a :class:`Watchdog` thread that beats a counter in a key-value store
+(the rendezvous ``TCPStore``) and watches everyone else's:
+
+- a rank whose counter has not moved for ``timeout_s`` is declared lost;
+- a rank whose step raised posts its error (:meth:`Watchdog.report`);
+- the store itself unreachable means rank 0, which hosts it, is gone.
+
+The first verdict is written to the store and everyone reads the same one. A
+rank whose main thread meets a communication error waits for the verdict and
+raises :class:`RankLostError` with it (:meth:`Watchdog.explain`); a rank stuck
+inside a collective that never returns is ended by the watchdog itself (the
+message on stderr, exit status :data:`LOST_EXIT_STATUS`): a blocked C++ wait
+cannot be interrupted from Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LOST_EXIT_STATUS = 75
+_COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "broken pipe", "timed out", "timeout", "socket", "peer")
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    timeout_s: float = 60.0
+    """A rank silent this long is lost (keep it above the longest pause of a healthy rank: a checkpoint save)."""
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval_s < self.timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s={self.heartbeat_interval_s} must be positive and below "
+                f"timeout_s={self.timeout_s}; a rank must beat several times within the timeout"
+            )
+
+
+class RankLostError(RuntimeError):
+    """Another rank died or failed: this rank cannot go on (relaunch, resume from the last checkpoint)."""
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """Errors a rank meets because a peer went away, rather than errors of its own."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _COMMUNICATION_WORDS)
+    )
+
+
+class Watchdog:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, describe: Callable[[int], str], policy: FaultPolicy,
+        exit_process: Callable[[str], None] | None = None,
+    ) -> None:
+        """``describe(rank)`` names a rank for messages ("rank 3 (stage 1, t4 on node-b)"); ``exit_process``
+        ends a process stuck in a wait (default: message to stderr, ``os._exit``)."""
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.describe, self.policy = describe, policy
+        self._exit_process = exit_process or _exit_with
+        self._stop = threading.Event()
+        self._handling = threading.Event()
+        self._verdict: str | None = None
+        self._thread = threading.Thread(target=self._watch, name=f"zorse-watchdog-{rank}", daemon=True)
+
+    @classmethod
+    def connect(cls, host: str, port: int, token: str, **kwargs) -> Watchdog:
+        """A watchdog on its own client of the rendezvous store at ``host:port`` (keys under ``token``)."""
+        timeout = timedelta(seconds=kwargs["policy"].timeout_s)
+        client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return cls(dist.PrefixStore(f"zorse-faults/{token}", client), **kwargs)
+
+    def start(self) -> Watchdog:
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """A clean end: others no longer watch this rank."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.store.set(f"exited/{self.rank}", "done")
+        except (RuntimeError, dist.DistError):
+            pass  # the store's host already ended its run: nobody is left to watch us
+
+    # -- what the main thread calls ---------------------------------------------------------
+
+    def report(self, error: BaseException) -> None:
+        """This rank's step failed: let every rank know why (first report wins)."""
+        self._post(f"{self.describe(self.rank)} failed with {type(error).__name__}: {error}")
+
+    def explain(self, error: BaseException) -> RankLostError | None:
+        """The lost or failed rank behind ``error`` (waiting for the verdict up to the timeout), or None if
+        ``error`` is this rank's own (it is then reported to the others)."""
+        self._handling.set()
+        if not is_communication_error(error):
+            self.report(error)
+            self.stop()
+            return None
+        deadline = time.monotonic() + self.policy.timeout_s + 3 * self.policy.heartbeat_interval_s
+        while self._verdict is None and time.monotonic() < deadline:
+            time.sleep(self.policy.heartbeat_interval_s / 4)
+        self.stop()
+        verdict = self._verdict or (
+            f"a peer of {self.describe(self.rank)} closed its connection, but no rank was found silent within "
+            f"{self.policy.timeout_s:g} s"
+        )
+        return RankLostError(f"{verdict}; this rank stops too: relaunch and resume from the last checkpoint")
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _post(self, verdict: str) -> None:
+        try:
+            self.store.compare_set("verdict", "", verdict)
+            self._verdict = self.store.get("verdict").decode()
+        except (RuntimeError, dist.DistError):
+            self._verdict = self._verdict or verdict
+
+    def _watch(self) -> None:
+        interval, timeout = self.policy.heartbeat_interval_s, self.policy.timeout_s
+        others = [r for r in range(self.world_size) if r != self.rank]
+        counts = {r: -1 for r in others}
+        changed = {r: time.monotonic() for r in others}
+        while not self._stop.wait(interval):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                if self.store.check(["verdict"]):
+                    self._verdict = self.store.get("verdict").decode()
+                    break
+                now = time.monotonic()
+                for r in list(others):
+                    if self.store.check([f"exited/{r}"]):
+                        others.remove(r)
+                        continue
+                    count = self.store.add(f"beat/{r}", 0)
+                    if count != counts[r]:
+                        counts[r], changed[r] = count, now
+                    elif now - changed[r] > timeout:
+                        self._post(f"{self.describe(r)} was lost: no heartbeat for {now - changed[r]:.1f} s")
+                        break
+            except (RuntimeError, dist.DistError) as error:
+                self._verdict = self._verdict or (
+                    f"{self.describe(0)} was lost: the store it hosts is unreachable ({error})"
+                )
+            if self._verdict is not None:
+                break
+        if self._verdict is not None and not self._stop.is_set():
+            self._stop.wait(2 * interval)  # the main thread may be meeting the error itself: let it explain
+            if not self._handling.is_set():
+                self._exit_process(
+                    f"zorse: {self._verdict}; {self.describe(self.rank)} stops too: relaunch and resume from the "
+                    f"last checkpoint"
+                )
+
+
+def _exit_with(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(LOST_EXIT_STATUS)
