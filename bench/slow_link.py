@@ -32,10 +32,10 @@ machine 0 sent over the link per timed step (its shaper's counter),
 ``emulated_compute_ms_per_rank`` each rank's emulated compute per timed step
 (the synthetic GPU time: what is left of a step is communication and waiting),
 and ``predicted_pipeline_ms`` / ``predicted_sync_ms`` the cost model's parts
-of the prediction. The start-up profile and the run calibrate the emulated
-costs separately, on shared cores, so the prediction's compute and the run's
-can differ by the contention each met; compare the run's emulated compute with
-the prediction to tell that from a modelling error. The last
+of the prediction. The start-up profile and the run use the same emulated
+costs (calibrated once at start-up, ranks one at a time), so the run's
+emulated compute is the prediction's compute; what is left of a miss is the
+model of communication and schedule. The last
 line printed is one JSON object: ``{"cases": [{"case", "link_mbit",
 "plan_samples_per_s", "dp_samples_per_s", "predicted_error_pct", ...}]}``.
 """
