@@ -5,9 +5,11 @@ planner's own cost model, against each baseline and against a compute-only bound
     .venv/bin/python -m bench.plan_quality --allow-idle-ranks   # plans may leave slow GPUs idle
 
 Cases: each cluster in ``zorse_lightning/conf/cluster/*.yaml`` x each model of
-:data:`MODELS` at sequence length 512, float16, global batch 8 samples per GPU (so
-every GPU can get work at every microbatch size up to 8, and the batch grows with
-the cluster as data-parallel users scale it). A case where neither the planner nor
+:data:`MODELS` at sequence length 512, float16, global batch 8 samples per GPU
+(``--samples-per-gpu``): every GPU can get work at every microbatch size up to 8,
+and the batch grows with the cluster as data-parallel users scale it. Few
+microbatches per GPU make pipeline fill and drain and per-microbatch intercepts
+weigh more: the ratio to the bound falls with bigger batches. A case where neither the planner nor
 any baseline fits in memory (the reference models on the emulated ``cpu_sim``
 clusters, whose budgets are a few hundred MiB) is listed as skipped, not counted.
 
@@ -102,10 +104,10 @@ def compute_bound_ms(inventory: ClusterInventory, profile: ModelProfile, global_
     return global_batch_size / samples_per_ms
 
 
-def run_case(cluster: str, model: str, options: PlannerOptions) -> Case:
+def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu: int = SAMPLES_PER_GPU) -> Case:
     inventory = load_cluster(cluster)
     profile = reference_profile(model, [t.name for t in inventory.gpu_types], SEQ_LEN, DTYPE)
-    batch = SAMPLES_PER_GPU * inventory.world_size
+    batch = samples_per_gpu * inventory.world_size
     try:
         plan_ms = make_plan(inventory, profile, batch, options).predicted.iteration_ms
     except PlanningError:
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--allow-idle-ranks", action="store_true", help="let plans leave the slowest GPU types idle")
     parser.add_argument("--clusters", nargs="+", default=sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--samples-per-gpu", type=int, default=SAMPLES_PER_GPU, help="global batch = this x GPUs")
     args = parser.parse_args(argv)
     options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks)
     console = Console(width=None if Console().is_terminal else 180)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         for cluster in args.clusters:
             for model in args.models:
                 progress.update(task, description=f"{cluster} / {model}")
-                cases.append(run_case(cluster, model, options))
+                cases.append(run_case(cluster, model, options, args.samples_per_gpu))
                 progress.advance(task)
     fitting = [c for c in cases if c.fits_somewhere]
     skipped = [c for c in cases if not c.fits_somewhere]

@@ -23,13 +23,17 @@ from torch import nn
 CALIBRATION_REPEATS = 3
 """Timed runs per calibration after one warm-up; the minimum is kept (least disturbed by other ranks)."""
 
-CALIBRATION_SAMPLES = 8
+CALIBRATION_SAMPLES = 2
 """Samples every calibration runs, whatever the size of the call that triggers it.
 
 The CPU cost per sample falls with the batch (measured on a GPT block: 1.3 to
 1.7x higher at 1 sample than at 8), so a cost taken at the first call's size
 depended on which call came first (a one-sample profile, a sanity check, a
 microbatch). One fixed size gives every calibration the same per-sample cost.
+Two is the largest microbatch the start-up profile times and so the largest
+the planner chooses by default: calibrated there, a typical call's real cost is
+its calibrated cost and the deadline leaves it the full slowdown as margin (at
+8, the fastest rank overran half its deadlines on shared cores).
 """
 
 

@@ -55,18 +55,39 @@ def _mine(local: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in local.items() if name not in lower}
 
 
+def _held_module_entries(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
+def _held_optimizer_entries(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
+
+
+def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def held_module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything of the module's state dict this rank holds, copied to the CPU (not collective: survivors)."""
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, _to_cpu(_held_module_entries(module)))
+
+
+def held_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The optimizer state of every parameter this rank steps, by name, copied (not collective: survivors)."""
+    held = _to_cpu(_held_optimizer_entries(optimizer, module))
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, held)
+
+
 def local_module_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's share of the module's state dict (collective)."""
-    held = {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
-    return _to_cpu(_mine(held))
+    return _to_cpu(_mine(_held_module_entries(module)))
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """This rank's share of the optimizer's state, keyed by parameter name (collective)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    held = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {NAMED_STATE_KEY: _to_cpu(_mine(held)), "param_groups": groups}
+    held = _held_optimizer_entries(optimizer, module)
+    return {NAMED_STATE_KEY: _to_cpu(_mine(held)), "param_groups": optimizer_hyperparameters(optimizer)}
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, saved: dict[str, Any]) -> None:
@@ -131,8 +152,11 @@ def save(checkpoint: dict[str, Any], path: str | Path, metadata: dict[str, Any],
     common["optimizer_states"] = [{k: v for k, v in s.items() if k != NAMED_STATE_KEY} for s in optimizer_states]
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    held = all_gather({"state_dict": sorted(shard["state_dict"]), "optimizers": [sorted(o) for o in shard["optimizers"]]})
+    contents = {shard_name(r): names for r, names in enumerate(held)}  # fast recovery reads only the shards it lacks
     checkpoint_files.write_checkpoint(
-        path, rank, shard, common, {**metadata, "world_size": world_size}, all_gather, before_publish
+        path, rank, shard, common, {**metadata, "world_size": world_size, "contents": contents}, all_gather,
+        before_publish,
     )
 
 
@@ -164,6 +188,6 @@ def load(path: str | Path, rank: int, world_size: int) -> dict[str, Any]:
 
 
 __all__ = [
-    "CheckpointError", "NAMED_STATE_KEY", "is_checkpoint_directory", "manifest_metadata", "zorse_section", "load", "load_optimizer_state", "local_module_state",
+    "CheckpointError", "NAMED_STATE_KEY", "held_module_state", "held_optimizer_state", "is_checkpoint_directory", "manifest_metadata", "zorse_section", "load", "load_optimizer_state", "local_module_state",
     "local_optimizer_state", "save",
 ]

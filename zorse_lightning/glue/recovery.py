@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.engine.faults import FaultPolicy, Watchdog
+from zorse_lightning.engine.faults import FaultPolicy, Watchdog, _exit_with
 from zorse_lightning.glue.checkpointing import all_gather
 from zorse_lightning.planner.plan import Plan
 
@@ -28,11 +29,19 @@ def rank_describer(plan: Plan, inventory: ClusterInventory | None):
 
 
 def start_watchdog(environment: Any, plan: Plan, inventory: ClusterInventory | None, rank: int,
-                   policy: FaultPolicy) -> Watchdog:
-    """Start this rank's watchdog for a run (collective: the ranks agree on the run's key prefix)."""
+                   policy: FaultPolicy, on_lost: Callable[[], None] | None = None) -> Watchdog:
+    """Start this rank's watchdog for a run (collective: the ranks agree on the run's key prefix).
+
+    ``on_lost`` runs before the watchdog ends a rank stuck in a wait (survivors keep their state there)."""
     token = all_gather(uuid.uuid4().hex if rank == 0 else None)[0]
+
+    def exit_process(message: str) -> None:
+        if on_lost is not None:
+            on_lost()
+        _exit_with(message)
+
     watchdog = Watchdog.connect(
         environment.main_address, environment.main_port, token, rank=rank, world_size=plan.world_size,
-        describe=rank_describer(plan, inventory), policy=policy,
+        describe=rank_describer(plan, inventory), policy=policy, exit_process=exit_process,
     )
     return watchdog.start()

@@ -34,8 +34,9 @@ from zorse_lightning.glue.detection import detect_cluster
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy, Watchdog
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups
-from zorse_lightning.glue import checkpointing
+from zorse_lightning.glue import checkpointing, fast_recovery
 from zorse_lightning.glue.accelerator import resolve_accelerator
+from zorse_lightning.glue.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
@@ -66,6 +67,7 @@ class ZorseStrategy(ParallelStrategy):
         schedule: str | None = None,
         precision: str = "auto",
         faults: FaultPolicy = FaultPolicy(),
+        recovery: RecoveryPolicy = RecoveryPolicy(),
         **kwargs: Any,
     ) -> None:
         """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
@@ -73,7 +75,8 @@ class ZorseStrategy(ParallelStrategy):
         shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated);
         ``precision``: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU),
         or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``; ``faults``: how long a silent rank
-        may be before every other rank stops with an error naming it."""
+        may be before every other rank stops with an error naming it; ``recovery``: where survivors of a lost
+        rank keep their state, read first by ``fit(ckpt_path=...)`` (glue/fast_recovery.py)."""
         if cluster is None and "environment" in kwargs:
             kwargs["cluster_environment"] = kwargs.pop("environment")
         if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
@@ -97,6 +100,11 @@ class ZorseStrategy(ParallelStrategy):
         self._timeout = timeout
         self._faults = faults
         self._watchdog: Watchdog | None = None
+        self._recovery = recovery
+        self._keeper = SurvivorKeeper()
+        self._tensorless_dump = False
+        self.recovery_report: RecoveryReport | None = None
+        """Where the last ``fit(ckpt_path=...)`` resumed from and what it read (None before one)."""
         self._start_method = start_method
         self._num_nodes = 1
         self._engine: PipelineEngine | None = None
@@ -218,6 +226,8 @@ class ZorseStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._patch_clipping()
+        if self._recovery.enabled and not any(isinstance(c, SnapshotEachStep) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, SnapshotEachStep(self._snapshot_for_recovery))
         if self._engine is None:
             broadcast_module(self.lightning_module)
             if self._plan_source is not None:
@@ -247,7 +257,9 @@ class ZorseStrategy(ParallelStrategy):
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
         self._plan = plan
         groups = build_groups(plan, self.global_rank, self._timeout)
-        self._watchdog = start_watchdog(self.cluster_environment, plan, self.inventory, self.global_rank, self._faults)
+        self._watchdog = start_watchdog(
+            self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
+        )
         self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
 
     @override
@@ -411,11 +423,36 @@ class ZorseStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._tensorless_dump:
+            return {}
         return checkpointing.local_module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return checkpointing.local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._tensorless_dump:
+            return {"param_groups": checkpointing.optimizer_hyperparameters(optimizer)}
+        return checkpointing.local_optimizer_state(optimizer, self.lightning_module)
+
+    def _snapshot_for_recovery(self, trainer: Any) -> None:
+        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep."""
+        self._tensorless_dump = True
+        try:
+            common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._tensorless_dump = False
+        del common["state_dict"]
+        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
+        common["zorse"] = checkpointing.zorse_section(self._plan, self.inventory, sampler)
+        self._keeper.snapshot(trainer.global_step, common, self.lightning_module, self._raw_optimizers())
+
+    def _keep_survivor_state(self) -> None:
+        if self._recovery.enabled and self.lightning_module is not None:
+            directory = fast_recovery.keeping_directory(self._recovery, self.lightning_module.trainer)
+            self._keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
+
+    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -436,7 +473,12 @@ class ZorseStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not checkpointing.is_checkpoint_directory(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = checkpointing.load(checkpoint_path, self.global_rank, self.world_size)
+        if self._recovery.enabled:
+            checkpoint, self.recovery_report = fast_recovery.load(
+                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
+            )
+        else:
+            checkpoint = checkpointing.load(checkpoint_path, self.global_rank, self.world_size)
         sampler = (checkpoint.get("zorse") or {}).get("sampler")
         if sampler:
             self._samples_done = sampler["samples_done"]
@@ -449,6 +491,7 @@ class ZorseStrategy(ParallelStrategy):
         if self._watchdog is not None:
             lost = self._watchdog.explain(exception)
             if lost is not None:
+                self._keep_survivor_state()
                 raise lost from exception
 
     @override

@@ -6,9 +6,9 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 
 1. In increasing order of a lower bound on the iteration time (see
    :func:`_lower_bound_ms`), each candidate gets a heuristic split priced
-   (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute;
-   when that does not fit, layers by speed, then the balance within each stage's
-   memory): an upper bound and a valid fallback plan.
+   (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute,
+   within each stage's memory when they do not fit otherwise): an upper bound and a
+   valid fallback plan.
    Candidates whose bound reaches the best plan so far are skipped.
 2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
@@ -33,7 +33,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
 from zorse_lightning.planner.evaluate import CostContext, stage_memory
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.heuristic import balanced_plan, priced, proportional_plan, speed_by_type
+from zorse_lightning.planner.heuristic import balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -167,29 +167,27 @@ def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
 
 
 def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
-    """A candidate's balanced split, else its proportional split, else its balanced split
-    within each stage's memory, priced (the first that fits): an upper bound, and a
-    fallback plan. Pinned layer counts are applied by the integer program only."""
+    """The first of a candidate's quick splits (:func:`_quick_splits`) that fits, priced:
+    an upper bound, and a fallback plan. Pinned layer counts are applied by the
+    integer program only."""
     if options.layer_counts is not None:
         return None
     for recompute in (False, True):
-
-        def within_memory():
-            candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
-            fit = build_problem(ctx, windows, candidate, global_batch_size, None)
-            return balanced_plan(ctx, windows, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds, fit=fit)
-
-        splits = (
-            lambda: balanced_plan(ctx, windows, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds),
-            lambda: proportional_plan(ctx, layout, m, global_batch_size, schedule=schedule, recompute=recompute, speeds=speeds),
-            within_memory,
-        )
-        for split in splits:
-            plan = split()
+        for plan in _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
             plan = plan and priced(ctx, _unshard_where_it_fits(ctx, plan))
             if plan is not None:
                 return plan
     return None
+
+
+def _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
+    """Balanced layers, else balanced layers within each stage's memory (in the integer
+    program's model, whose building costs more: made only when needed)."""
+    common = dict(schedule=schedule, recompute=recompute, speeds=speeds)
+    yield balanced_plan(ctx, windows, layout, m, global_batch_size, **common)
+    candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
+    fit = build_problem(ctx, windows, candidate, global_batch_size, None)
+    yield balanced_plan(ctx, windows, layout, m, global_batch_size, fit=fit, **common)
 
 
 def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:
