@@ -9,9 +9,10 @@ Cases: each cluster in ``zorse_lightning/conf/cluster/*.yaml`` x each model of
 (``--samples-per-gpu``): every GPU can get work at every microbatch size up to 8,
 and the batch grows with the cluster as data-parallel users scale it. Few
 microbatches per GPU make pipeline fill and drain and per-microbatch intercepts
-weigh more: the ratio to the bound falls with bigger batches. A case where neither the planner nor
-any baseline fits in memory (the reference models on the emulated ``cpu_sim``
-clusters, whose budgets are a few hundred MiB) is listed as skipped, not counted.
+weigh more: the ratio to the bound falls with bigger batches. A case where
+neither the planner nor any baseline fits in memory (the reference models on the
+emulated ``cpu_sim`` clusters, whose budgets are a few hundred MiB) is listed as
+skipped, not counted.
 
 The compute-only bound is ``global batch / sum over GPUs of 1 / (sum over layers of
 forward + backward slope per sample on that GPU)``: every GPU busy all the time on

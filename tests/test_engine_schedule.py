@@ -129,3 +129,4 @@ def test_validation_rejects_broken_programs():
     cyclic = ((Action(0, F, 0), Action(0, B, 1), Action(0, F, 1), Action(0, B, 0)), good[1])
     with pytest.raises(PlanningError, match="rank 0 at 0B1 waits"):
         simulate(plan, cyclic)
+
