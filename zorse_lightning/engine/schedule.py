@@ -14,7 +14,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
@@ -105,31 +105,101 @@ def microbatch_order(plan: Plan) -> tuple[int, ...]:
 def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions: GPipe (all forwards, then all backwards) or 1F1B."""
     order = microbatch_order(plan)
-    widths = tuple(len(stage.ranks) for stage in plan.stages)
+    if not forward_only and plan.schedule is Schedule.ONE_F_ONE_B:
+        return _one_f_one_b_programs(plan, order)
     programs: list[tuple[Action, ...]] = [()] * plan.world_size
     for index, stage in enumerate(plan.stages):
         for rank, share in stage.microbatch_ranges().items():
             mine = [j for j in order if j in share]
             forwards = [Action(index, ActionKind.FORWARD, j) for j in mine]
             backwards = [Action(index, ActionKind.BACKWARD, j) for j in mine]
-            if forward_only:
-                programs[rank] = tuple(forwards)
-            elif plan.schedule is Schedule.GPIPE:
-                programs[rank] = tuple(forwards + backwards)
-            else:
-                programs[rank] = _one_f_one_b(forwards, backwards, warmup=one_f_one_b_warmup(widths, index))
+            programs[rank] = tuple(forwards) if forward_only else tuple(forwards + backwards)
     return tuple(programs)
 
 
-def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> tuple[Action, ...]:
-    """Warm-up forwards (enough to keep every later rank busy, see :func:`one_f_one_b_warmup`), then
-    alternate forward/backward, then drain."""
-    warmup = min(warmup, len(forwards))
-    program = list(forwards[:warmup])
-    for forward, backward in zip(forwards[warmup:], backwards):
-        program += [forward, backward]
-    program += backwards[len(forwards) - warmup :]
-    return tuple(program)
+def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+    """1F1B programs recorded from a step-by-step play of the pipeline.
+
+    Writing each rank's program on its own (warm-up forwards, then alternate)
+    deadlocks once stages differ in width and shares are uneven: a rank waits for
+    a gradient whose forward is queued behind a rank that waits in turn. So the
+    programs are recorded from a play in unit steps with FIFO channels, the rules
+    :func:`simulate` checks: each step every rank runs one action whose inputs are
+    at the head of their channels: a forward while fewer than the limit
+    (:func:`one_f_one_b_warmup` + 1, the planner's memory model) are in flight,
+    else a ready backward: the classic warm-up, then one forward, one backward. Only when no rank can move within
+    the limits do ranks exceed them, so the play, and the engine, cannot deadlock.
+    """
+    widths = tuple(len(stage.ranks) for stage in plan.stages)
+    last = len(plan.stages) - 1
+    state = {}
+    for index, stage in enumerate(plan.stages):
+        for rank, share in stage.microbatch_ranges().items():
+            state[rank] = _RankPlay(index, [j for j in order if j in share], one_f_one_b_warmup(widths, index) + 1)
+    channels: dict[tuple[int, int], list[Message]] = {}
+
+    def at_head(src: int, dst: int, kind: ActionKind, microbatch: int) -> bool:
+        queue = channels.get((src, dst), [])
+        return bool(queue) and queue[0].kind is kind and queue[0].microbatch == microbatch
+
+    def ready_backward(rank: int, play: _RankPlay) -> Action | None:
+        for j in play.in_flight:
+            if play.stage == last or at_head(plan.stages[play.stage + 1].rank_of_microbatch(j), rank, ActionKind.BACKWARD, j):
+                return Action(play.stage, ActionKind.BACKWARD, j)
+            if play.stage == last:
+                return None
+        return None
+
+    def ready_forward(rank: int, play: _RankPlay) -> Action | None:
+        for j in play.pending:
+            if play.stage == 0 or at_head(plan.stages[play.stage - 1].rank_of_microbatch(j), rank, ActionKind.FORWARD, j):
+                return Action(play.stage, ActionKind.FORWARD, j)
+            if play.stage == 0:
+                return None
+        return None
+
+    def choose(rank: int, play: _RankPlay, relaxed: bool) -> Action | None:
+        backward, forward = ready_backward(rank, play), ready_forward(rank, play)
+        if forward is not None and (len(play.in_flight) < play.limit or (relaxed and backward is None)):
+            return forward
+        return backward
+
+    while any(play.pending or play.in_flight for play in state.values()):
+        chosen = {rank: choose(rank, play, relaxed=False) for rank, play in state.items()}
+        if all(action is None for action in chosen.values()):
+            chosen = {rank: choose(rank, play, relaxed=True) for rank, play in state.items()}
+        if all(action is None for action in chosen.values()):
+            raise PlanningError("no 1F1B order exists for this plan; use schedule=gpipe")
+        sends: list[Message] = []
+        for rank, action in chosen.items():
+            if action is not None:
+                receives, out = messages_of(plan, rank, action)
+                for message in receives:
+                    channels[(message.src, message.dst)].pop(0)
+                sends += out
+                state[rank].run(action)
+        for message in sends:
+            channels.setdefault((message.src, message.dst), []).append(message)
+    return tuple(tuple(state[rank].program) for rank in range(plan.world_size))
+
+
+@dataclass
+class _RankPlay:
+    """One rank's progress during :func:`_one_f_one_b_programs` (local to it)."""
+
+    stage: int
+    pending: list[int]
+    limit: int
+    in_flight: list[int] = field(default_factory=list)
+    program: list[Action] = field(default_factory=list)
+
+    def run(self, action: Action) -> None:
+        self.program.append(action)
+        if action.kind is ActionKind.FORWARD:
+            self.pending.remove(action.microbatch)
+            self.in_flight.append(action.microbatch)
+        else:
+            self.in_flight.remove(action.microbatch)
 
 
 def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
