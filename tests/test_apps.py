@@ -55,3 +55,20 @@ def test_plan_app_unknown_model_lists_known_names(run_app, tmp_path: Path):
 
     code, _, err = run_app(main, "cluster=cpu_sim2", "model=llama_7b", "model.name=llama_99b", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "llama_7b" in err and "Traceback" not in err
+
+
+def test_plan_app_profiles_a_lightning_module_config(run_app, tmp_path: Path):
+    from zorse_lightning.apps.plan_app import main
+
+    code, _, err = run_app(
+        main, "cluster=cpu_sim4", "model=gpt_tiny", "model.layers=2", "global_batch_size=32", f"hydra.run.dir={tmp_path}"
+    )
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # measured on this CPU, each type slowed by its emulation: the A100 rank gets the largest share
+    assert set(plan["predicted"]["profile_source"].values()) == {"measured"}
+    shares = {}
+    for stage in plan["stages"]:
+        for rank, count in zip(stage["ranks"], stage["microbatches_per_rank"]):
+            shares[rank] = shares.get(rank, 0) + count * (stage["layers"][1] - stage["layers"][0])
+    assert shares[0] > shares[2] and shares[0] > shares[3]

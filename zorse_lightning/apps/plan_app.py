@@ -26,7 +26,7 @@ from zorse_lightning.reporting.timeline import draw_plan_timeline
 @report_user_errors
 def _run(cfg: DictConfig) -> None:
     inventory = inventory_from_config(cfg.cluster)
-    profile = profile_from_config(cfg.model, inventory)
+    profile = profile_from_config(cfg.model, inventory, cfg.get("data"))
     options = planner_options_from_config(cfg.planner)
     plan = make_plan(inventory, profile, int(cfg.global_batch_size), options)
     warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
