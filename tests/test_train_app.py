@@ -23,7 +23,7 @@ def test_train_app_plans_trains_and_leaves_its_outputs(tmp_path: Path):
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["cluster"] == "cpu_sim2" and plan["global_batch_size"] == 16  # data.batch_size 8 x 2 ranks
     assert (run_dir / "timeline.png").stat().st_size > 10_000
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / "checkpoints" / "last.ckpt" / "manifest.json").is_file()  # a sharded checkpoint directory
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     rows = list(csv.DictReader((run_dir / "metrics" / "version_0" / "metrics.csv").open()))
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
