@@ -39,7 +39,6 @@ def profile_from_config(model_cfg: Any, inventory: ClusterInventory, data_cfg: A
 
 
 def _measured_here(model_cfg: Any, data_cfg: Any, inventory: ClusterInventory) -> ModelProfile:
-    import torch
 
     from zorse_lightning.engine.blocks import find_block_list
     from zorse_lightning.engine.emulation import emulation_spec_for_rank

@@ -17,14 +17,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -33,11 +28,11 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.glue.detection import detect_cluster
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy, Watchdog
-from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups
+from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
 from zorse_lightning.glue import checkpointing, fast_recovery
-from zorse_lightning.glue.accelerator import resolve_accelerator
 from zorse_lightning.glue.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
+from zorse_lightning.glue.processes import ProcessStrategy
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
 from zorse_lightning.glue.recovery import start_watchdog
@@ -51,7 +46,7 @@ from zorse_lightning.profiling.profile import ModelProfile
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class ZorseStrategy(ParallelStrategy):
+class ZorseStrategy(ProcessStrategy):
     strategy_name = "zorse"
 
     def __init__(
@@ -151,68 +146,6 @@ class ZorseStrategy(ParallelStrategy):
         if self._engine is None:
             raise RuntimeError("the zorse engine is built at setup, once the plan is known")
         return self._engine
-
-    # -- processes, devices, accelerator ---------------------------------------------------
-
-    @property
-    @override
-    def accelerator(self):
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, value: Any) -> None:
-        # Lightning hands its accelerator choice to the strategy here: keep its device kind, add the cluster.
-        self._accelerator = None if value is None else resolve_accelerator(None, value, self.inventory)
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    def set_world_ranks(self) -> None:
-        """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
-        environment = self.cluster_environment
-        # Lightning's children see LOCAL_RANK and report creates_processes_externally, yet still need
-        # their ranks set; only HeterogeneousEnvironment (torchrun, SLURM) knows them on its own.
-        if environment is not None and not isinstance(environment, HeterogeneousEnvironment):
-            if self.num_nodes > 1:
-                raise ValueError(
-                    f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "
-                    f"process its global rank (machines may run different numbers of processes)"
-                )
-            environment.set_global_rank(self.local_rank)
-            environment.set_world_size(self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.set_world_ranks()
-        _init_dist_connection(self.cluster_environment, backend_for(self.root_device), timeout=self._timeout)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -397,27 +330,6 @@ class ZorseStrategy(ParallelStrategy):
             return
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
         self._clip_patched = True
-
-    # -- collectives Lightning asks for ----------------------------------------------------
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # -- checkpoints -----------------------------------------------------------------------
 
