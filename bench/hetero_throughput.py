@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,13 +51,17 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
+from zorse_lightning.engine.emulation import (
+    ComputeEmulator,
+    emulation_spec_for_rank,
+    named_emulated_modules,
+)
 from zorse_lightning.engine.emulation_timing import CallCost
 from zorse_lightning.glue.emulation_callback import EmulateCluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
-
+from zorse_lightning.testing.launch import free_port
 
 CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")
 """2 ranks at 1 : 2.5 and 1 : 4.8, 4 ranks at 1 : 2.5 : 4.8 : 4.8."""
@@ -216,7 +219,7 @@ def run_cluster(cluster: str, config: BenchConfig, ddp: bool = True) -> dict:
     """Spawn one process per rank of ``cluster``; rank 0's results of the zorse (and DDP) fits."""
     world_size = load_cluster(cluster).world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(cluster, world_size, _free_port(), config, out_dir, ddp), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(cluster, world_size, free_port(), config, out_dir, ddp), nprocs=world_size, join=True)
         return json.loads(Path(out_dir, "result.json").read_text())
 
 
@@ -250,11 +253,6 @@ def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallC
     emulator.remove()
     return rates
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bench_cluster(cluster: str, config: BenchConfig) -> dict:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from zorse_lightning.glue.emulation_callback import EmulateCluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.testing.launch import free_port
 from zorse_lightning.testing.timing import StepTimer
 
 WORLD_SIZE = 2
@@ -129,11 +129,6 @@ def _efficiency(runs: list[dict]) -> float:
     return statistics.mean(run["compute_s_per_step"] / statistics.median(run["step_s"]) for run in runs)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -143,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     config = BenchConfig(**vars(parser.parse_args(argv)))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), config, out_dir), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_worker, args=(free_port(), config, out_dir), nprocs=WORLD_SIZE, join=True)
         runs = json.loads(Path(out_dir, "result.json").read_text())
     global_batch = config.per_rank_batch * WORLD_SIZE
     rates = {

@@ -42,7 +42,11 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, all_baselines, make_plan
-from zorse_lightning.profiling import MixedProfileSourcesWarning, ModelProfile, reference_profile
+from zorse_lightning.profiling import (
+    MixedProfileSourcesWarning,
+    ModelProfile,
+    reference_profile,
+)
 
 CLUSTER_DIR = Path(__file__).resolve().parents[1] / "zorse_lightning" / "conf" / "cluster"
 MODELS = ("llama_tiny", "llama_3b", "llama_7b", "llama_13b", "llama_33b", "gpt_1.3b", "gpt_2.7b", "gpt_6.7b")

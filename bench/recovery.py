@@ -22,20 +22,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from zorse_lightning.testing.launch import free_port
+
 KILLED_AT = 3
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, phase: str, out: Path, width: int, layers: int) -> None:
@@ -51,8 +47,9 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, width: int, l
     from zorse_lightning.models.gpt import GPT
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_engine_support import hand_plan  # the tests' plan builder: explicit stages, no planner run
     from test_faults import CLUSTER as THREE_RANKS
+
+    from zorse_lightning.testing.plans import hand_plan
 
     torch.set_num_threads(1)
     os.environ.update(
@@ -103,7 +100,7 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, width: int, l
 
 
 def _launch(world: int, phase: str, out: Path, args: argparse.Namespace) -> None:
-    port = _free_port()
+    port = free_port()
     processes = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--port",
                                    str(port), "--phase", phase, "--out", str(out), "--width", str(args.width),
                                    "--layers", str(args.layers)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -10,7 +10,12 @@ two GPUs of each), so every size has all four types.
 
 from __future__ import annotations
 
-from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine, MachineLink
+from zorse_lightning.cluster import (
+    DEFAULT_CATALOG,
+    ClusterInventory,
+    Machine,
+    MachineLink,
+)
 from zorse_lightning.errors import InventoryError
 
 GPU_TYPES = ("a100x40", "v100x16", "a10g", "t4")

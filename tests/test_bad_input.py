@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.detect import DeviceReport

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 from test_faults import CLUSTER
-from test_strategy_training import GLOBAL_BATCH, Recorder, _free_port, _gpt, _tokens
+from test_strategy_training import GLOBAL_BATCH, Recorder, _gpt, _tokens
 from torch.utils.data import DataLoader
 
 from zorse_lightning.capabilities import Sharding
@@ -37,6 +37,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.checkpoint_files import CheckpointError, shard_name
 from zorse_lightning.glue.export import export_state_dict
 from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.testing.launch import free_port
 
 STEPS = 4
 EVERY = 2
@@ -123,7 +124,7 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    mp.spawn(_worker, args=([_free_port() for _ in range(4)], str(out)), nprocs=4, join=True)
+    mp.spawn(_worker, args=([free_port() for _ in range(4)], str(out)), nprocs=4, join=True)
     return out, [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.demos import LightningTransformer
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 from torch import nn
 
 from zorse_lightning.engine.blocks import CutError, find_block_list

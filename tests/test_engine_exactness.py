@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.models.gpt import GPT
+from zorse_lightning.testing.launch import spawn_ranks
 
 WORLD = 4
 STEPS = 3
@@ -156,17 +155,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("exactness")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out)
 
 
 @pytest.mark.parametrize("case", [c.name for c in CASES])

@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.engine.schedule import (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import pytest
 
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.glue.environment import HeterogeneousEnvironment, Launcher, slurm_tasks_on_node
+from zorse_lightning.testing.launch import free_port
 
 TORCHRUN_NODE1 = {  # second machine of two, running 2 of 3 processes: its second process
     "TORCHELASTIC_RUN_ID": "none",
@@ -89,16 +89,11 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_torchrun_two_nodes_with_one_and_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    port = _free_port()
+    port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--master-addr=127.0.0.1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [

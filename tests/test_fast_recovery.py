@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from zorse_lightning.glue.fast_recovery import KeptIndex, choose_step
+from zorse_lightning.testing.launch import free_port, torchrun_variables
 
 KILLED_AT = 3
 STEPS = 5
@@ -28,7 +29,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_engine_support import hand_plan
+    from zorse_lightning.testing.plans import hand_plan
     from test_faults import CLUSTER
     from test_strategy_training import _gpt, _tokens
     from torch.utils.data import DataLoader
@@ -38,10 +39,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
     from zorse_lightning.glue.strategy import ZorseStrategy
 
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(torchrun_variables(rank, world, port))
     if world == 3:
         inventory = load_cluster(CLUSTER)
         plan = hand_plan([((0,), (4,), (0, 2)), ((1, 2), (2, 2), (2, 4))], microbatch_size=2, inventory=inventory)
@@ -79,9 +77,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
 
 
 def _launch(world: int, phase: str, out: Path) -> list[tuple[int, str]]:
-    from test_strategy_training import _free_port
-
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     processes = [
         subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), phase, str(out)], env=env,

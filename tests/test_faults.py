@@ -6,6 +6,7 @@ processes, since it ends them all. Run as a script, this file is one rank.
 """
 
 from __future__ import annotations
+from zorse_lightning.testing.launch import free_port, torchrun_variables
 
 import os
 import signal
@@ -30,7 +31,7 @@ FAILING_STEP = 1
 def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
     import lightning.pytorch as pl
     import torch
-    from test_engine_support import hand_plan
+    from zorse_lightning.testing.plans import hand_plan
     from test_strategy_training import _tokens
     from torch.utils.data import DataLoader
 
@@ -48,10 +49,7 @@ def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
             return super().training_step(batch, batch_idx)
 
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(torchrun_variables(rank, WORLD, port))
     inventory = load_cluster(CLUSTER)
     plan = hand_plan([((0,), (4,), (0, 2)), ((1, 2), (2, 2), (2, 4))], microbatch_size=2, inventory=inventory)
     strategy = ZorseStrategy(
@@ -72,9 +70,7 @@ def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
 
 def _launch(scenario: str, out_dir: Path) -> list[tuple[int, str]]:
     """Each rank's exit status and what it said (its error, or the watchdog's message on stderr)."""
-    from test_strategy_training import _free_port
-
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     processes = [
         subprocess.Popen([sys.executable, __file__, str(r), str(port), scenario, str(out_dir)], env=env,

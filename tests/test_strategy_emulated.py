@@ -16,15 +16,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_engine_support import hand_plan
-from test_strategy_training import GLOBAL_BATCH, STEPS, VOCAB, Recorder, _compare, _free_port, _reference
+from zorse_lightning.testing.plans import hand_plan
+from test_strategy_training import GLOBAL_BATCH, STEPS, VOCAB, Recorder, _compare, _reference
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.testing.launch import torchrun_variables, spawn_ranks
 
 WORLD = 2
 PER_RANK_BATCH = GLOBAL_BATCH // WORLD
@@ -87,10 +87,7 @@ def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(torchrun_variables(rank, WORLD, port))
     tmp = Path(out_dir)
     inventory = load_cluster("cpu_sim2")
     planned = ZorseStrategy(cluster=inventory, emulate=True, planner_options=PlannerOptions(solver_time_limit_s=5))
@@ -103,8 +100,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("emulated")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out)
 
 
 def _work(stages: list[dict], rank: int) -> int:

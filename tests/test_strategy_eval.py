@@ -15,13 +15,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_engine_support import hand_plan
-from test_strategy_training import GLOBAL_BATCH, _free_port, _gpt, _tokens
+from zorse_lightning.testing.plans import hand_plan
+from test_strategy_training import GLOBAL_BATCH, _gpt, _tokens
 from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.testing.launch import torchrun_variables, spawn_ranks
 
 WORLD = 2
 PER_RANK_BATCH = GLOBAL_BATCH // WORLD
@@ -94,10 +94,7 @@ def _resume_case(tmp: Path) -> dict:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(torchrun_variables(rank, WORLD, port))
     tmp = Path(out_dir)
     results = {"evaluation": _evaluation_case(tmp), "resume": _resume_case(tmp)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -106,8 +103,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("evaluation")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out)
 
 
 def test_validate_and_test_losses_match_single_process(results):

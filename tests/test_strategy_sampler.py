@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 from torch.utils.data import DataLoader, TensorDataset
 
 import zorse_lightning  # noqa: F401  (registers the strategies)

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.demos import LightningTransformer
-from test_engine_support import hand_plan
+from zorse_lightning.testing.plans import hand_plan
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
+from zorse_lightning.testing.launch import torchrun_variables, spawn_ranks
 
 WORLD = 4
 STEPS = 3
@@ -158,26 +157,17 @@ def _transformer_case(rank: int, tmp: Path) -> dict:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(torchrun_variables(rank, WORLD, port))
     tmp = Path(out_dir)
     results = {"gpt": _gpt_case(rank, tmp), "transformer": _transformer_case(rank, tmp)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("strategy")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out)
 
 
 def test_pipelined_gpt_matches_single_process(results):

@@ -1,4 +1,4 @@
-"""Plans built by hand for the engine and strategy tests (no tests here)."""
+"""Plans built by hand for tests and benches: explicit stages, no planner run."""
 
 from __future__ import annotations
 
