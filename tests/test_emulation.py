@@ -92,7 +92,6 @@ def test_instrumented_module_takes_slowdown_times_calibrated_cost_and_keeps_the_
     # (Whether every sleep was positive depends on the load of the machine, so it is reported by the
     # benchmarks through `overruns`, not asserted here.)
     assert emulator.emulated_compute_s == pytest.approx(steps * per_step, rel=0.01)
-    assert emulator.real_compute_s < emulator.emulated_compute_s
     assert min(walls) >= per_step  # deadlines are absolute: a step cannot be faster than emulated
 
 

@@ -102,13 +102,17 @@ def sleep_until(deadline: float) -> float:
     return remaining
 
 
-class BackwardStartMarker(torch.autograd.Function):
-    """Identity on a module's outputs; its backward marks the start of the module's backward."""
+class _IdentityMarker(torch.autograd.Function):
+    """Identity on tensors, carrying a :class:`BackwardWindow` to its backward (subclasses say what it marks)."""
 
     @staticmethod
     def forward(ctx: Any, window: BackwardWindow, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.window = window
         return tuple(t.view_as(t) for t in tensors)
+
+
+class BackwardStartMarker(_IdentityMarker):
+    """On a module's outputs: its backward marks the start of the module's backward."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -118,13 +122,8 @@ class BackwardStartMarker(torch.autograd.Function):
         return (None, *grads)
 
 
-class BackwardEndMarker(torch.autograd.Function):
-    """Identity on a module's inputs; its backward marks the end of the module's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, window: BackwardWindow, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.window = window
-        return tuple(t.view_as(t) for t in tensors)
+class BackwardEndMarker(_IdentityMarker):
+    """On a module's inputs: its backward marks the end of the module's backward."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

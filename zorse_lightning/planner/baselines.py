@@ -50,19 +50,25 @@ def data_parallel_equal(
     return priced(ctx, plan)
 
 
+def _best_proportional(ctx, layout, global_batch_size: int, options: PlannerOptions, note: str, **kwargs) -> Plan | None:
+    """The best proportional split of ``layout`` over the microbatch sizes, with and without recomputation."""
+    plans = [
+        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute, **kwargs))
+        for m in _sizes(global_batch_size, options)
+        for recompute in (False, True)
+    ]
+    best = _best(plans)
+    return best and replace(best, notes=(note,))
+
+
 def cephalo(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
     """One stage, microbatches by speed (accumulated), optimizer state sharded by free memory."""
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
     layout = (tuple(range(inventory.world_size)),)
-    plans = [
-        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute))
-        for m in _sizes(global_batch_size, options)
-        for recompute in (False, True)
-    ]
-    best = _best(plans)
-    return best and replace(best, notes=("baseline: Cephalo (data parallel, batches by speed, state sharded by memory)",))
+    note = "baseline: Cephalo (data parallel, batches by speed, state sharded by memory)"
+    return _best_proportional(ctx, layout, global_batch_size, options, note)
 
 
 def proportional_heuristic(
@@ -78,13 +84,8 @@ def proportional_heuristic(
     if len(groups) > profile.num_layers:
         return None
     layout = tuple(tuple(g) for g in groups)
-    plans = [
-        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute, speeds=speeds))
-        for m in _sizes(global_batch_size, options)
-        for recompute in (False, True)
-    ]
-    best = _best(plans)
-    return best and replace(best, notes=("baseline: proportional heuristic (Zorse public code), one stage per machine",))
+    note = "baseline: proportional heuristic (Zorse public code), one stage per machine"
+    return _best_proportional(ctx, layout, global_batch_size, options, note, speeds=speeds)
 
 
 def fastest_type_alone(
