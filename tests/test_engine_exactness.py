@@ -8,8 +8,6 @@ the parameters it holds, the losses and the placement of weights.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -144,15 +142,12 @@ def _run_case(rank: int, case: Case) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out_dir: Path) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
-        results = {case.name: _run_case(rank, case) for case in CASES}
+        return {case.name: _run_case(rank, case) for case in CASES}
     finally:
         dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 

@@ -9,8 +9,6 @@ stage's output) are emulated and stay exact too. Two processes, started once.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -24,7 +22,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
-from zorse_lightning.testing.launch import torchrun_variables, spawn_ranks
+from zorse_lightning.testing.launch import spawn_ranks
 
 WORLD = 2
 PER_RANK_BATCH = GLOBAL_BATCH // WORLD
@@ -85,16 +83,12 @@ def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(torchrun_variables(rank, WORLD, port))
-    tmp = Path(out_dir)
+def _worker(rank: int, tmp: Path) -> dict:
     inventory = load_cluster("cpu_sim2")
     planned = ZorseStrategy(cluster=inventory, emulate=True, planner_options=PlannerOptions(solver_time_limit_s=5))
     pipelined_plan = hand_plan([((0,), (MICROBATCHES,), (0, 3)), ((1,), (MICROBATCHES,), (3, 4))], 2, inventory=inventory)
     pipelined = ZorseStrategy(cluster=inventory, plan=pipelined_plan, emulate=True)
-    results = {"planned": _case(planned, tmp), "pipelined": _case(pipelined, tmp)}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    return {"planned": _case(planned, tmp), "pipelined": _case(pipelined, tmp)}
 
 
 @pytest.fixture(scope="module")

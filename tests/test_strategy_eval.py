@@ -8,8 +8,6 @@ run of 2N steps (same plan, shuffled data: the sampler's position is restored).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.glue.strategy import ZorseStrategy
-from zorse_lightning.testing.launch import torchrun_variables, spawn_ranks
+from zorse_lightning.testing.launch import spawn_ranks
 
 WORLD = 2
 PER_RANK_BATCH = GLOBAL_BATCH // WORLD
@@ -92,12 +90,8 @@ def _resume_case(tmp: Path) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(torchrun_variables(rank, WORLD, port))
-    tmp = Path(out_dir)
-    results = {"evaluation": _evaluation_case(tmp), "resume": _resume_case(tmp)}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+def _worker(rank: int, tmp: Path) -> dict:
+    return {"evaluation": _evaluation_case(tmp), "resume": _resume_case(tmp)}
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,22 @@ def torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def write_rank_result(out_dir: str | Path, rank: int, result: Any) -> None:
+def _run_rank(rank: int, worker: Callable[..., Any], port: int, out_dir: str, world_size: int, *args: Any) -> None:
+    """One spawned rank: one thread (two cores are shared by all ranks), torchrun's variables, result to JSON."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(torchrun_variables(rank, world_size, port))
+    result = worker(rank, Path(out_dir), *args)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def spawn_ranks(worker: Callable[..., None], world_size: int, out_dir: str | Path, *args: Any) -> list[Any]:
-    """Run ``worker(rank, port, out_dir, *args)`` on ``world_size`` processes; each rank's result in rank order."""
+def spawn_ranks(worker: Callable[..., Any], world_size: int, out_dir: str | Path, *args: Any) -> list[Any]:
+    """Run ``worker(rank, out_dir, *args) -> result`` on ``world_size`` torchrun-like processes;
+    the results (JSON-serialisable) in rank order."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(free_port(), str(out_dir), *args), nprocs=world_size, join=True)
+    mp.spawn(_run_rank, args=(worker, free_port(), str(out_dir), world_size, *args), nprocs=world_size, join=True)
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
