@@ -37,7 +37,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.checkpoint_files import CheckpointError, shard_name
 from zorse_lightning.glue.export import export_state_dict
 from zorse_lightning.glue.strategy import ZorseStrategy
-from zorse_lightning.testing.launch import free_port
+from zorse_lightning.testing.launch import free_ports
 
 STEPS = 4
 EVERY = 2
@@ -124,7 +124,7 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    mp.spawn(_worker, args=([free_port() for _ in range(4)], str(out)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(free_ports(4), str(out)), nprocs=4, join=True)
     return out, [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
 
 

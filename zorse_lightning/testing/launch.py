@@ -7,16 +7,50 @@ test module and run several cases, because each start costs seconds here.
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
+def _ephemeral_low_port() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux; 32768 where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` lies inside that range, so when it is chosen early and
+    used later (a test joining a second process group), a gloo connection opened in
+    between can take it (EADDRINUSE). Ports below the range are only taken by
+    listeners, so a port free now stays free.
+    """
+    low = _ephemeral_low_port()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found below {low} after 200 tries; free some listening ports")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (for a test that joins several process groups in turn)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
