@@ -97,6 +97,8 @@ def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:
         ctx = CostContext.build(strategy.inventory, strategy.start_up_profile)
         Console(width=160).print(plan_table(plan, ctx))
         draw_plan_timeline(plan, ctx, output_dir / "timeline.png")
+    for note in plan.notes:  # why the plan looks as it does (no cuts for a module optimising by hand, ...)
+        print(f"note: {note}")
     print(f"outputs in {output_dir}: plan.json, timeline.png, metrics/, tensorboard/, checkpoints/")
 
 

@@ -3,8 +3,9 @@
 Planning at start: each distinct GPU type's first rank times the model's
 blocks on its own device (an emulated rank through its emulation, so it is
 never told its speed factor), the measurements are gathered, and rank 0 runs
-the planner; every rank receives rank 0's plan. A module that cannot be cut
-gets a data-parallel plan, and the plan's notes say why.
+the planner; every rank receives rank 0's plan. A module that cannot be cut,
+or that optimises by hand (glue/manual_optimization.py), gets a data-parallel
+plan, and the plan's notes say why.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for
 from zorse_lightning.engine.emulation_calibration import calibrate_in_turn
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
+from zorse_lightning.glue.manual_optimization import MANUAL_OPTIMIZATION_REASON
 from zorse_lightning.glue.validation import check_predicted_memory
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.plan import Plan, StagePlan
@@ -168,6 +170,8 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
     from zorse_lightning.planner.search import PlannerOptions, make_plan
     from zorse_lightning.profiling.measure import assemble_profile
 
+    if not strategy.lightning_module.automatic_optimization:
+        return data_parallel_plan(inventory, global_batch_size, MANUAL_OPTIMIZATION_REASON, shard_optimizer=False)
     options = _within_profiled_sizes(strategy._planner_options or PlannerOptions())
     try:
         blocks = find_block_list(strategy.lightning_module, strategy.block_path)
@@ -204,8 +208,11 @@ def _largest_remainder(total: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def data_parallel_plan(inventory: ClusterInventory, global_batch_size: int, reason: str) -> Plan:
-    """One stage of every rank (Cephalo-style): microbatches by peak speed, optimizer state by memory.
+def data_parallel_plan(
+    inventory: ClusterInventory, global_batch_size: int, reason: str, shard_optimizer: bool = True
+) -> Plan:
+    """One stage of every rank (Cephalo-style): microbatches by peak speed, optimizer state by memory
+    (unless ``shard_optimizer`` is False: a module optimising by hand steps every weight on every rank).
 
     For modules that cannot be cut; no profile is needed, since one stage has no
     layer split to balance. Microbatches are as large as leaves each rank about
@@ -216,14 +223,15 @@ def data_parallel_plan(inventory: ClusterInventory, global_batch_size: int, reas
                           if global_batch_size % d == 0 and global_batch_size // d >= min(4 * world, global_batch_size))
     counts = _largest_remainder(global_batch_size // microbatch_size, [g.gpu_type.peak_tflops for g in inventory.gpus])
     memory = [g.memory_gib for g in inventory.gpus]
+    sharded = shard_optimizer and world > 1
     stage = StagePlan(
         ranks=tuple(range(world)),
         gpu_types=tuple(g.gpu_type.name for g in inventory.gpus),
         machines=tuple(g.machine for g in inventory.gpus),
         layers=(0, 1),
         microbatches_per_rank=tuple(counts),
-        sharding=Sharding.OPTIMIZER if world > 1 else Sharding.NONE,
-        shard_fractions=tuple(m / sum(memory) for m in memory) if world > 1 else (),
+        sharding=Sharding.OPTIMIZER if sharded else Sharding.NONE,
+        shard_fractions=tuple(m / sum(memory) for m in memory) if sharded else (),
     )
     return Plan(
         model="", cluster=inventory.name, num_layers=1, world_size=world, global_batch_size=global_batch_size,

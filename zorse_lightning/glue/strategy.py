@@ -7,6 +7,7 @@ batch; inside it the engine runs the plan's schedule, calling the user's own
 gradients (weighted by samples, over each weight's stages) before Lightning's
 clipping and the optimizer; clipping uses the global norm over all stages.
 ``self.log`` inside microbatches is captured and replayed once per step.
+A module that optimises by hand owns its step instead (glue/manual_optimization.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from zorse_lightning.glue.fast_recovery import RecoveryPolicy, RecoveryReport, S
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
 from zorse_lightning.glue.processes import ProcessStrategy
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
+from zorse_lightning.glue.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
 from zorse_lightning.glue.recovery import start_watchdog
 from zorse_lightning.glue.precision import PrecisionChoice, resolve_precision
@@ -110,6 +112,7 @@ class ZorseStrategy(ProcessStrategy):
         self._restored_sampler: SamplerState | None = None
         self._clip_patched = False
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
 
     # -- what the user can inspect ---------------------------------------------------------
 
@@ -183,6 +186,7 @@ class ZorseStrategy(ProcessStrategy):
     def _set_plan(self, plan: Plan) -> None:
         if self.inventory is not None:
             check_plan_against(plan, self.inventory)
+        check_manual_plan(plan, self.lightning_module, self.precision_plugin)
         check_plan_for_module(plan, self.lightning_module, self.block_path, self.inventory)
         if self._schedule_override is not None:
             plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
@@ -194,6 +198,8 @@ class ZorseStrategy(ProcessStrategy):
             self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
         )
         self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
+        if not self.lightning_module.automatic_optimization:
+            self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin)
 
     @override
     def model_to_device(self) -> None:
@@ -249,17 +255,25 @@ class ZorseStrategy(ProcessStrategy):
     def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
         if not self.engine.prepared:
             self._prepare_engine(batch, batch_idx)
+        if self._manual is not None:
+            with self.precision_plugin.train_step_context():
+                output = self._manual.training_step(batch, batch_idx, *rest)
+            self._step_done(batch_idx)
+            return output
         scale = self.precision_plugin.loss_scale_value / self.lightning_module.trainer.accumulate_grad_batches
         earlier = self._set_gradients_aside()
         with self.precision_plugin.train_step_context():
             loss = self._captured(lambda step: self.engine.run(batch, step, scale), "training_step", batch_idx, *rest)
-        if self._emulation is not None:
-            self._emulation.after_step()
-        self._samples_done = (batch_idx + 1) * self.plan.global_batch_size
+        self._step_done(batch_idx)
         self._stashed = self._set_gradients_aside()
         for param, grad in earlier:
             param.grad = grad
         return loss
+
+    def _step_done(self, batch_idx: int) -> None:
+        if self._emulation is not None:
+            self._emulation.after_step()
+        self._samples_done = (batch_idx + 1) * self.plan.global_batch_size
 
     def _set_gradients_aside(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Lightning zeroes gradients (at an accumulation window's start) between ``training_step`` and
@@ -309,6 +323,8 @@ class ZorseStrategy(ProcessStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
+        if self._manual is not None:
+            return self._manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self._restore_gradients()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -317,7 +333,8 @@ class ZorseStrategy(ProcessStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             result = closure()
-            self.engine.reduce_gradients()
+            if self._manual is None:  # manual_backward reduced its gradients already
+                self.engine.reduce_gradients()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
@@ -325,8 +342,9 @@ class ZorseStrategy(ProcessStrategy):
         return output
 
     def _patch_clipping(self) -> None:
-        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage."""
-        if self._clip_patched:
+        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage. (By hand:
+        one unsharded stage whose gradients are reduced at backward, so Lightning's clipping is right as it is.)"""
+        if self._clip_patched or not self.lightning_module.automatic_optimization:
             return
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
         self._clip_patched = True
