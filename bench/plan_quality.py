@@ -1,8 +1,8 @@
 """How good are the planner's plans? Every shipped cluster x every reference model, in the
 planner's own cost model, against each baseline and against a compute-only bound.
 
-    .venv/bin/python -m bench.plan_quality                      # engine's defaults (no idle ranks)
-    .venv/bin/python -m bench.plan_quality --allow-idle-ranks   # plans may leave slow GPUs idle
+    .venv/bin/python -m bench.plan_quality                         # engine's defaults (idle ranks allowed)
+    .venv/bin/python -m bench.plan_quality --no-allow-idle-ranks   # every GPU must work
 
 Cases: each cluster in ``zorse_lightning/conf/cluster/*.yaml`` x each model of
 :data:`MODELS` at sequence length 512, float16, global batch 8 samples per GPU
@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from zorse_lightning.capabilities import SUPPORTS_IDLE_RANKS
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
@@ -162,7 +163,10 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--allow-idle-ranks", action="store_true", help="let plans leave the slowest GPU types idle")
+    parser.add_argument(
+        "--allow-idle-ranks", action=argparse.BooleanOptionalAction, default=SUPPORTS_IDLE_RANKS,
+        help="let plans leave the slowest GPU types idle (default: what the engine runs)",
+    )
     parser.add_argument("--clusters", nargs="+", default=sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--samples-per-gpu", type=int, default=SAMPLES_PER_GPU, help="global batch = this x GPUs")

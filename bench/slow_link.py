@@ -17,7 +17,7 @@ one process group:
   (each type through its emulation) and runs the planner's choice;
 - dp: ``ZorseStrategy(cluster=..., plan=dp)``, the planner's best *data
   parallel* plan (``PlannerOptions(allow_pipeline=False)``, same start-up
-  profile): every rank holds the whole model, microbatches split by speed, the
+  profile, microbatch sizes within the profiled ones as the strategy's own): every rank holds the whole model, microbatches split by speed, the
   gradients synchronised over the slow link. This is ZorseStrategy's data
   parallelism, not ``strategy="ddp"`` (which would also need equal batches on
   unequal ranks); ``bench/overhead.py`` compares the two engines.
@@ -87,6 +87,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.glue.environment import HeterogeneousEnvironment
+    from zorse_lightning.glue.planning import within_profiled_sizes
     from zorse_lightning.glue.strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from zorse_lightning.planner.evaluate import CostContext, plan_cost
@@ -131,10 +132,10 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     measured = {"plan": fit(planned)}
     dp = None
     if environment.global_rank() == 0:
-        dp = make_plan(inventory, planned.start_up_profile, config.global_batch, PlannerOptions(
+        dp = make_plan(inventory, planned.start_up_profile, config.global_batch, within_profiled_sizes(PlannerOptions(
             solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False,
             no_pipeline_reason="the data-parallel baseline of bench/slow_link.py",
-        ))
+        )))
     box = [dp]
     dist.broadcast_object_list(box, src=0)
     dp = box[0]

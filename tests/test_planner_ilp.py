@@ -31,7 +31,7 @@ def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
     """
     excess = -math.inf
     latency = 0.0
-    sync = 0.0
+    tail = 0.0
     for stage, k, stage_shares in zip(problem.stages, counts, shares):
         free = 0.0
         for group, n in zip(stage.groups, stage_shares):
@@ -49,8 +49,8 @@ def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
         if free + 1e-9 < stage.sharded_bytes[k - 1]:
             return None
         latency += stage.latency_ms[k - 1]
-        sync = max(sync, stage.sync_ms[k - 1])
-    return problem.constant_ms + latency + excess + sync
+        tail = max(tail, stage.tail_ms[k - 1])
+    return problem.constant_ms + latency + excess + tail
 
 
 def brute_force(problem: AssignmentProblem) -> float | None:
@@ -94,7 +94,7 @@ def random_problem(rng: random.Random, pin: bool = False) -> AssignmentProblem:
             StageCosts(
                 groups=tuple(groups),
                 latency_ms=latency,
-                sync_ms=tuple(rng.uniform(0.0, 0.3) * k for k in range(1, num_layers + 1)),
+                tail_ms=tuple(rng.uniform(0.0, 0.3) * k for k in range(1, num_layers + 1)),
                 sharded_bytes=tuple((2.0 * k if sharded else 0.0) for k in range(1, num_layers + 1)),
                 max_in_flight=rng.choice([None, num_stages - s]),
             )

@@ -35,7 +35,7 @@ def test_every_shipped_cluster_is_covered() -> None:
 def test_plan_invariants(name: str, allow_idle_ranks: bool) -> None:
     inventory, profile, plan = _planned(name, allow_idle_ranks)
     if not allow_idle_ranks:
-        assert plan.idle_ranks == ()  # the engine runs every rank
+        assert plan.idle_ranks == ()  # off: every rank works
     assert plan.world_size == inventory.world_size
     used = sorted([r for s in plan.stages for r in s.ranks] + list(plan.idle_ranks))
     assert used == list(range(inventory.world_size))
@@ -66,7 +66,8 @@ def test_plan_invariants(name: str, allow_idle_ranks: bool) -> None:
 
 @pytest.mark.parametrize("name", CLUSTERS)
 def test_plan_is_never_worse_than_a_baseline(name: str) -> None:
-    inventory, profile, plan = _planned(name, allow_idle_ranks=True)  # "the fastest type alone" idles the rest
+    # the defaults, idle ranks allowed: "the fastest type alone" idles the rest, so the plan may too
+    inventory, profile, plan = _planned(name, allow_idle_ranks=PlannerOptions().allow_idle_ranks)
     baselines = all_baselines(inventory, profile, GLOBAL_BATCH)
     assert set(baselines) == {"data_parallel_equal", "fastest_type_alone", "proportional_heuristic", "cephalo"}
     for label, baseline in baselines.items():

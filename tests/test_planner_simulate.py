@@ -57,15 +57,22 @@ def test_textbook_pipeline_without_transfers(schedule: Schedule) -> None:
     assert timeline.makespan_ms == pytest.approx(plan_cost(ctx, plan).iteration_ms)
 
 
-def test_data_parallel_stage_is_busy_time_plus_all_reduce() -> None:
+def test_data_parallel_stage_is_busy_time_plus_all_reduce_plus_optimizer_step() -> None:
     ctx = CostContext.build(_inventory(), _profile(0))
     plan = Plan("sim", "sim", 6, 5, 10, 1, Schedule.ONE_F_ONE_B, (_stage([0, 1, 2, 3, 4], (0, 6), [3, 3, 2, 1, 1]),))
     timeline = simulate(ctx, plan)
     cost = plan_cost(ctx, plan)
-    assert cost.sync_ms > 0
+    assert cost.sync_ms > 0 and cost.update_ms > 0
+    # the busiest A100s' 3 microbatches through 8 blocks (embedding, 6 layers, head) of 3 ms,
+    # the all-reduce, then the slowest step (a T4's: the least memory bandwidth)
+    assert cost.iteration_ms == pytest.approx(3 * 8 * 3 + cost.sync_ms + cost.update_ms)
     assert timeline.makespan_ms == pytest.approx(cost.iteration_ms)
     allreduces = [e for e in timeline.events if e.kind is EventKind.ALLREDUCE]
     assert len(allreduces) == 5 and len({(e.start_ms, e.end_ms) for e in allreduces}) == 1
+    steps = sorted((e for e in timeline.events if e.kind is EventKind.OPTIMIZER), key=lambda e: e.rank)
+    assert [e.start_ms for e in steps] == pytest.approx([allreduces[0].end_ms] * 5)
+    assert [e.end_ms - e.start_ms for e in steps] == pytest.approx(list(cost.stages[0].update_ms))
+    assert max(e.end_ms - e.start_ms for e in steps) == pytest.approx(steps[-1].end_ms - steps[-1].start_ms)  # a T4
 
 
 def _check_schedule_rules(plan: Plan, timeline) -> None:

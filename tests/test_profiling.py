@@ -291,3 +291,19 @@ def test_measured_blocks_alone_give_zero_size_ends(tmp_path):
     assert len(measured.layers) == 2 and measured.layers[1].parameters == 1072
     with pytest.raises(PlanningError, match="batch dimension of 1"):
         measure_blocks(blocks, torch.randn(2, 8, 16), cache_dir=None)
+
+
+def test_cached_measurement_keeps_the_optimizer_rate_and_reads_files_without_it():
+    from dataclasses import replace
+
+    from zorse_lightning.profiling.measure import MeasuredBlocks, _from_json, _to_json
+    from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, TimeCurve
+
+    times = BlockTimes(TimeCurve(1.0, 0.5, (1.5, 2.5)), TimeCurve(2.0, 1.0))
+    shape = BlockShape("layer", 10, 20, 30, 40.0)
+    device = DeviceTimes("t4", ProfileSource.MEASURED, times, (times, times), times, optimizer_ms_per_million_parameters=6.0)
+    measured = MeasuredBlocks("sig", 8, "float32", device, shape, (shape, shape), shape)
+    stored = json.loads(json.dumps(_to_json(measured)))
+    assert _from_json(stored) == replace(measured, from_cache=True)
+    del stored["optimizer_ms_per_million_parameters"]  # a file written before the field existed
+    assert _from_json(stored).times == replace(device, optimizer_ms_per_million_parameters=None)

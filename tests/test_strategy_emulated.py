@@ -98,8 +98,10 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 def _work(stages: list[dict], rank: int) -> int:
-    """Layer-microbatches a rank runs per step: what the planner balances against its speed."""
-    stage = next(s for s in stages if rank in s["ranks"])
+    """Layer-microbatches a rank runs per step: what the planner balances against its speed (0: idle)."""
+    stage = next((s for s in stages if rank in s["ranks"]), None)
+    if stage is None:
+        return 0
     return (stage["layers"][1] - stage["layers"][0]) * stage["microbatches"][stage["ranks"].index(rank)]
 
 
@@ -115,7 +117,7 @@ def test_planned_on_emulated_ranks_gives_the_faster_rank_more_and_matches_single
     assert [r["planned"]["slowdown"] for r in results] == pytest.approx([3.0, 3.0 * 312 / 125])
     stages = results[0]["planned"]["stages"]
     assert all(r["planned"]["stages"] == stages for r in results)  # one plan, broadcast
-    if len(stages) == 1:
+    if len(stages) == 1 and len(stages[0]["ranks"]) == 2:
         a100, v100 = stages[0]["microbatches"]
         assert a100 > v100, stages
     assert _work(stages, 0) > _work(stages, 1), stages

@@ -3,7 +3,8 @@
 Two processes (cpu_sim2, emulation off: numerics only), started once. Values
 are compared with the single-process reference; a run resumed from
 ``trainer.save_checkpoint`` after N steps is compared with an uninterrupted
-run of 2N steps (same plan, shuffled data: the sampler's position is restored).
+run of 2N steps (same plan, shuffled data: the sampler's position is restored;
+Lightning's sanity-check validation runs before each fit's first step).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def _plan():
     return hand_plan([((0,), (8,), (0, 2)), ((1,), (8,), (2, 4))], microbatch_size=2, inventory=inventory)
 
 
-def _trainer(tmp: Path, max_steps: int = -1) -> pl.Trainer:
+def _trainer(tmp: Path, max_steps: int = -1, sanity_steps: int = 0) -> pl.Trainer:
     return pl.Trainer(
         strategy=ZorseStrategy(cluster="cpu_sim2", plan=_plan(), emulate=False), accelerator="cpu", devices=WORLD,
         max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp,
+        enable_model_summary=False, num_sanity_val_steps=sanity_steps, default_root_dir=tmp,
     )
 
 
@@ -68,14 +69,20 @@ def _evaluation_case(tmp: Path) -> dict:
 
 
 def _fit(model: pl.LightningModule, tmp: Path, steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
-    trainer = _trainer(tmp, max_steps=steps)
-    trainer.fit(model, train_dataloaders=_loader(2 * RESUME_STEPS, shuffle=True), ckpt_path=ckpt_path)
+    """With a validation loader and Lightning's sanity check, so the engine is cut by a validation
+    before the first training step (which must still restrict optimizers and restore their state)."""
+    trainer = _trainer(tmp, max_steps=steps, sanity_steps=1)
+    trainer.fit(model, train_dataloaders=_loader(2 * RESUME_STEPS, shuffle=True), val_dataloaders=_loader(1),
+                ckpt_path=ckpt_path)
     return trainer
 
 
 def _resume_case(tmp: Path) -> dict:
     checkpoint = tmp / "resume.ckpt"
-    _fit(_gpt(), tmp, RESUME_STEPS).save_checkpoint(checkpoint)
+    first = _fit(_gpt(), tmp, RESUME_STEPS)
+    first.save_checkpoint(checkpoint)
+    stepped = {id(p) for group in first.optimizers[0].param_groups for p in group["params"]}
+    local = {id(p) for p in first.strategy.engine.local_parameters()}
     resumed = _gpt()
     resumed_trainer = _fit(resumed, tmp, 2 * RESUME_STEPS, ckpt_path=checkpoint)
     uninterrupted = _gpt()
@@ -87,6 +94,7 @@ def _resume_case(tmp: Path) -> dict:
         "held": len(held),
         "global_step": resumed_trainer.global_step,
         "moved": max((held[n] - p).abs().max().item() for n, p in _gpt().named_parameters() if n in held),
+        "optimizer_steps_only_this_stage": bool(local) and stepped == local,
     }
 
 
@@ -118,3 +126,4 @@ def test_resume_on_the_same_cluster_continues_exactly(results):
         assert resume["global_step"] == 2 * RESUME_STEPS
         assert resume["held"] > 0 and resume["moved"] > 1e-4  # it trained, on this rank's stage
         assert resume["param_diff"] < 1e-6, (rank, resume)
+        assert resume["optimizer_steps_only_this_stage"], "the sanity check's validation skipped the training set-up"

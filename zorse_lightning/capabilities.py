@@ -27,6 +27,7 @@ SUPPORTED_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIP
 SUPPORTED_SHARDING: tuple[Sharding, ...] = (Sharding.NONE, Sharding.OPTIMIZER)
 SUPPORTS_RECOMPUTATION = True
 SUPPORTS_INTERLEAVING = False
-SUPPORTS_IDLE_RANKS = False
-"""Plans may leave ranks out of every stage (``Plan.idle_ranks``) once the engine keeps
-such ranks out of its process groups; until then the planner uses every rank."""
+SUPPORTS_IDLE_RANKS = True
+"""Plans may leave ranks out of every stage (``Plan.idle_ranks``): the engine keeps such
+ranks out of its process groups and frees their copy of the model, and the strategy runs
+their Lightning loop on batches without samples, joining only world-wide collectives."""

@@ -89,6 +89,27 @@ def holder_stages(root: nn.Module, blocks: BlockList, analysis: CutAnalysis, pla
     return {key: frozenset(value) for key, value in holders.items()}
 
 
+def release_parameters(root: nn.Module, keep: Callable[[nn.Parameter], bool]) -> None:
+    """Move every parameter ``keep`` rejects to the meta device; a weight shared by several modules
+    (tied embeddings) gets one meta stand-in, so it stays shared."""
+    replacements: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        for key, param in module._parameters.items():
+            if param is not None and not keep(param):
+                if id(param) not in replacements:
+                    replacements[id(param)] = nn.Parameter(param.detach().to(META), param.requires_grad)
+                module._parameters[key] = replacements[id(param)]
+
+
+def release_module(root: nn.Module) -> None:
+    """Free every parameter and buffer of ``root`` (an idle rank's copy of the model: it runs none of it)."""
+    release_parameters(root, lambda param: False)
+    for module in root.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to(META)
+
+
 class StageCut:
     """This rank's stage of the module: patches forwards and frees what other stages hold."""
 
@@ -118,13 +139,7 @@ class StageCut:
 
     def apply(self) -> None:
         """Free other stages' weights and patch the forwards (once, before training)."""
-        replacements: dict[int, nn.Parameter] = {}
-        for module in self.root.modules():
-            for key, param in module._parameters.items():
-                if param is not None and not self.is_local(param):
-                    if id(param) not in replacements:
-                        replacements[id(param)] = nn.Parameter(param.detach().to(META), param.requires_grad)
-                    module._parameters[key] = replacements[id(param)]
+        release_parameters(self.root, self.is_local)
         self._free_outside_buffers()
         for index, block in enumerate(self.blocks.blocks):
             block.forward = self._block_forward(index, block.forward)

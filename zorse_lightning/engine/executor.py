@@ -5,6 +5,11 @@ order) and ``step_fn(microbatch, index) -> loss``: the user's own step. On a
 non-last stage the step ends inside the block chain (:class:`StageOutput`); on
 the last it returns the loss. Activations go to the rank of the next stage that
 owns the microbatch, their gradients come back the same way.
+
+An idle rank (in no stage of the plan) runs no action and holds no weights (its
+copy of the module is freed at :meth:`PipelineEngine.prepare`), but makes every
+collective the working ranks make over the whole world: the probe's agreement,
+the loss, the global gradient norm.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine import gradients
 from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
-from zorse_lightning.engine.cutting import StageCut, StageOutput
+from zorse_lightning.engine.cutting import StageCut, StageOutput, release_module
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.engine.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport
@@ -69,6 +74,7 @@ class PipelineEngine:
         self.cut: StageCut | None = None
         self.shards: OptimizerShards | None = None
         self._holders: dict[int, frozenset[int]] = {}
+        self._prepared = False
 
     # -- preparation --------------------------------------------------------------------
 
@@ -78,24 +84,31 @@ class PipelineEngine:
 
     @property
     def prepared(self) -> bool:
-        return bool(self._holders)
+        return self._prepared
 
     def _my_share(self) -> range:
+        if self.groups.is_idle:
+            return range(0)
         return self.groups.stage.microbatch_ranges()[self.groups.rank]
 
     def prepare(self, batch: Any, step_fn: StepFn) -> None:
-        """Probe the module on this rank's first microbatch, then cut it (collective, once)."""
+        """Probe the module on this rank's first microbatch, then cut it (collective, once); an idle rank
+        joins the probe's agreement, then frees its whole copy of the module."""
         if self.is_pipelined:
             blocks = find_block_list(self.module, self.block_path)
             analysis = self._agreed_analysis(blocks, batch, step_fn)
+        if self.groups.is_idle:
+            release_module(self.module)
+        elif self.is_pipelined:
             self.cut = StageCut(self.module, blocks, analysis, self.plan, self.groups.stage_index)
             self.cut.apply()
             self._holders = dict(self.cut.holders)
         else:
             everyone = frozenset({0})
             self._holders = {id(p): everyone for p in self.module.parameters()}
-        if self.groups.stage.sharding is not Sharding.NONE:
+        if not self.groups.is_idle and self.groups.stage.sharding is not Sharding.NONE:
             self.shards = OptimizerShards(self.local_parameters(), self.groups)
+        self._prepared = True
 
     def _agreed_analysis(self, blocks: BlockList, batch: Any, step_fn: StepFn) -> CutAnalysis:
         mine = None
@@ -116,7 +129,7 @@ class PipelineEngine:
         return agreed
 
     def local_parameters(self) -> list[nn.Parameter]:
-        """Parameters this rank holds (each once), in module order."""
+        """Parameters this rank holds (each once), in module order (none on an idle rank)."""
         return [p for p in self.module.parameters() if self.groups.stage_index in self._holders.get(id(p), ())]
 
     def _local_with_holders(self) -> list[tuple[nn.Parameter, frozenset[int]]]:

@@ -49,7 +49,7 @@ def clip_global_norm_(
     Gradients are already reduced (equal on every rank of a stage), so each weight
     is counted once: by the first rank of the first stage that holds it.
     """
-    counts_here = groups.rank == groups.stage_ranks[0]
+    counts_here = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
     norms = [
         p.grad.detach().float().norm(2)
         for p, holders in params

@@ -4,6 +4,11 @@
 for every group, including groups the rank is not in; :func:`build_groups` does
 so in an order derived from the plan alone. Every group gets the timeout, so a
 dead peer surfaces as an error on the survivors instead of a hang.
+
+Idle ranks (``Plan.idle_ranks``) are in no group of the plan: they take part only
+in the collectives every rank makes over the whole world (the loss, the log
+replay, the global gradient norm, checkpoint agreement), so a stage's reductions
+never wait on a rank that holds none of its weights.
 """
 
 from __future__ import annotations
@@ -30,11 +35,17 @@ class StageGroups:
 
     plan: Plan
     rank: int
-    stage_index: int
-    stage_group: dist.ProcessGroup
-    """All ranks of this rank's stage: data-parallel reductions and optimizer shards."""
+    stage_index: int | None
+    """None on an idle rank (in no stage)."""
+    stage_group: dist.ProcessGroup | None
+    """All ranks of this rank's stage: data-parallel reductions and optimizer shards (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
     """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all)."""
+
+    @property
+    def is_idle(self) -> bool:
+        """In no stage: holds no weights and no samples, joins only the world-wide collectives."""
+        return self.stage_index is None
 
     @property
     def stage(self):
@@ -87,10 +98,12 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
             f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
             f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
         )
-    stage_index = plan.stage_of_rank(rank)
     stage_groups = [dist.new_group(list(stage.ranks), timeout=timeout) for stage in plan.stages]
     shared = {}
     for stages in shared_stage_sets(plan):
         ranks = sorted(r for s in stages for r in plan.stages[s].ranks)
         shared[stages] = dist.new_group(ranks, timeout=timeout)
+    if rank in plan.idle_ranks:
+        return StageGroups(plan, rank, None, None, {})
+    stage_index = plan.stage_of_rank(rank)
     return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared)

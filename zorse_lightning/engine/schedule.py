@@ -180,7 +180,7 @@ def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Act
                 state[rank].run(action)
         for message in sends:
             channels.setdefault((message.src, message.dst), []).append(message)
-    return tuple(tuple(state[rank].program) for rank in range(plan.world_size))
+    return tuple(tuple(state[rank].program) if rank in state else () for rank in range(plan.world_size))  # idle: ()
 
 
 @dataclass

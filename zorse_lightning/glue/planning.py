@@ -25,6 +25,7 @@ from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for
 from zorse_lightning.engine.emulation_calibration import calibrate_in_turn
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
+from zorse_lightning.glue.step_costs import measure_rank_step_costs
 from zorse_lightning.glue.manual_optimization import MANUAL_OPTIMIZATION_REASON
 from zorse_lightning.glue.validation import check_predicted_memory
 from zorse_lightning.capabilities import Schedule, Sharding
@@ -99,8 +100,9 @@ def _block_names(blocks: BlockList) -> list[str]:
     return [f"{blocks.path}.{name}" for name, _ in blocks.container.named_children()]
 
 
-def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, inventory: ClusterInventory):
-    """This rank's profile if it is the first of its GPU type, else None.
+def _measure_my_type(strategy: Any, blocks: BlockList, batch: Any, example: torch.Tensor, inventory: ClusterInventory):
+    """This rank's profile if it is the first of its GPU type, else None: its blocks, then what the
+    step spends outside them and the optimizer's rate (:mod:`.step_costs`).
 
     Emulated ranks time the blocks through an emulator on the costs calibrated
     once for the whole run (:func:`plan_at_start`): every type is timed on the
@@ -119,7 +121,7 @@ def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, in
         emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank, costs=strategy.calibrated_costs)
         emulator.instrument(measured_blocks, names=_block_names(blocks))
     try:
-        return measure_blocks(
+        measured = measure_blocks(
             measured_blocks, example, device=strategy.root_device, gpu_type=my_type,
             dtype=str(example.dtype).removeprefix("torch."),
             options=MeasureOptions(**PROFILE_OPTIONS), cache_dir=None,
@@ -127,6 +129,10 @@ def _measure_my_type(strategy: Any, blocks: BlockList, example: torch.Tensor, in
     finally:
         if emulator is not None:
             emulator.remove()
+    edges, optimizer_rate = measure_rank_step_costs(strategy, blocks, batch)
+    times = replace(measured.times, embedding=edges.embedding, head=edges.head,
+                    optimizer_ms_per_million_parameters=optimizer_rate)
+    return replace(measured, times=times)
 
 
 def _edge_shapes(strategy: Any, blocks: BlockList, batch: Any, example: torch.Tensor) -> tuple[BlockShape, BlockShape, bool]:
@@ -134,8 +140,8 @@ def _edge_shapes(strategy: Any, blocks: BlockList, batch: Any, example: torch.Te
 
     The blocks' profile has no embedding or head; without their parameters the
     planner would count no memory for them and no all-reduce of a tied
-    embedding/head weight between the first and last stage. Their times stay
-    zero (not timed at start-up).
+    embedding/head weight between the first and last stage. Their times are
+    measured apart (:mod:`.step_costs`).
     """
     inside = {id(m) for b in blocks.blocks for m in b.modules()}
     seen_block, before, after = [False], set(), set()
@@ -166,13 +172,15 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
         raise PlanningError("ZorseStrategy needs a cluster (cluster='cpu_sim4', a config path or an inventory) or a plan")
     if loader.batch_size is None:
         raise PlanningError("the training DataLoader has no batch_size; give one, or pass a plan")
-    global_batch_size = loader.batch_size * strategy.world_size
+    # On resume the checkpoint's global batch continues (same data order, same trajectory), whatever the
+    # loader's batch size times this cluster's ranks.
+    global_batch_size = strategy._checkpoint_global_batch_size or loader.batch_size * strategy.world_size
     from zorse_lightning.planner.search import PlannerOptions, make_plan
     from zorse_lightning.profiling.measure import assemble_profile
 
     if not strategy.lightning_module.automatic_optimization:
         return data_parallel_plan(inventory, global_batch_size, MANUAL_OPTIMIZATION_REASON, shard_optimizer=False)
-    options = _within_profiled_sizes(strategy._planner_options or PlannerOptions())
+    options = within_profiled_sizes(strategy._planner_options or PlannerOptions())
     try:
         blocks = find_block_list(strategy.lightning_module, strategy.block_path)
     except CutError as error:
@@ -186,7 +194,7 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
             named_emulated_modules(strategy.lightning_module), lambda: _one_sample_step(strategy, batch)
         )
     measured = [None] * strategy.world_size
-    dist.all_gather_object(measured, _measure_my_type(strategy, blocks, example, inventory))
+    dist.all_gather_object(measured, _measure_my_type(strategy, blocks, batch, example, inventory))
     plan = None
     if strategy.global_rank == 0:
         embedding, head, tied = _edge_shapes(strategy, blocks, batch, example)
@@ -240,7 +248,7 @@ def data_parallel_plan(
     )
 
 
-def _within_profiled_sizes(options: Any) -> Any:
+def within_profiled_sizes(options: Any) -> Any:
     """Microbatch sizes up to the largest profiled, unless the user pins one.
 
     Beyond the measured sizes the planner extrapolates a line through two

@@ -6,6 +6,11 @@ order); microbatch ``j`` is its samples ``[j m, (j+1) m)``, and a rank loads
 the contiguous microbatches the plan gives it. Positions are counted in global
 samples, whatever the number of ranks, so a run resumed on another cluster (another
 plan) continues with the same samples.
+
+An idle rank (``Plan.idle_ranks``) loads no sample, yet its Lightning loop must
+run every step, since it joins the world-wide collectives of each step: its
+loader yields one :class:`NoSamples` batch per global batch, as many as every
+other rank's loader yields.
 """
 
 from __future__ import annotations
@@ -30,8 +35,26 @@ class SamplerState:
     shuffle: bool
 
 
+class NoSamples:
+    """The batch of an idle rank: no samples (the strategy's step runs no microbatch on it).
+
+    Not ``None``, which Lightning's loop would skip, taking the rank out of the step's collectives.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NoSamples()"
+
+
+def no_samples(samples: list[Any]) -> NoSamples:
+    """The collate function of an idle rank's loader (its index lists are empty)."""
+    return NoSamples()
+
+
 class PlanBatchSampler(Sampler[list[int]]):
-    """Batches of one rank: its share of each global batch; incomplete global batches are dropped."""
+    """Batches of one rank: its share of each global batch (empty on an idle rank); incomplete global
+    batches are dropped."""
 
     def __init__(self, dataset_size: int, plan: Plan, rank: int, shuffle: bool, seed: int = 0) -> None:
         self.dataset_size = dataset_size
@@ -41,11 +64,17 @@ class PlanBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.epoch = 0
         self.skip_samples = 0
-        stage = plan.stages[plan.stage_of_rank(rank)]
-        share = stage.microbatch_ranges()[rank]
+        self.rows = self._rows(plan, rank)
+
+    @staticmethod
+    def _rows(plan: Plan, rank: int) -> range:
+        """Positions inside each global batch that ``rank`` loads."""
+        if rank in plan.idle_ranks:
+            return range(0)
+        share = plan.stages[plan.stage_of_rank(rank)].microbatch_ranges()[rank]
         m = plan.microbatch_size
-        # A rank without microbatches still takes part in every step; it gets one microbatch it ignores.
-        self.rows = range(share.start * m, share.stop * m) if len(share) else range(0, m)
+        # A stage's rank without microbatches still takes part in every step; it gets one microbatch it ignores.
+        return range(share.start * m, share.stop * m) if len(share) else range(m)
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this at each epoch start; a new epoch starts at its beginning."""
@@ -83,8 +112,11 @@ def loader_shuffles(loader: DataLoader) -> bool:
 
 
 def plan_dataloader(loader: DataLoader, plan: Plan, rank: int, seed: int) -> DataLoader:
-    """The user's loader (dataset, collate, workers) with the plan's batches for this rank."""
+    """The user's loader (dataset, collate, workers) with the plan's batches for this rank; on an idle
+    rank, batches of :class:`NoSamples` without workers."""
     batch_sampler = PlanBatchSampler(len(loader.dataset), plan, rank, loader_shuffles(loader), seed)
+    if rank in plan.idle_ranks:
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, collate_fn=no_samples)
     kwargs: dict[str, Any] = dict(
         batch_sampler=batch_sampler,
         num_workers=loader.num_workers,

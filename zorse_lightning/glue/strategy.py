@@ -110,8 +110,11 @@ class ZorseStrategy(ProcessStrategy):
         self._samplers: list[PlanBatchSampler] = []
         self._samples_done = 0
         self._restored_sampler: SamplerState | None = None
+        self._checkpoint_global_batch_size: int | None = None
+        """The resumed checkpoint's global batch size: a plan made at start keeps it (glue/planning.py)."""
         self._clip_patched = False
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._training_prepared = False
         self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
 
     # -- what the user can inspect ---------------------------------------------------------
@@ -229,9 +232,13 @@ class ZorseStrategy(ProcessStrategy):
         return lambda micro, j: method(micro, batch_idx, *rest)
 
     def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
-        silent = LogCapture(self.plan.microbatch_size)
-        with capturing_logs(self.lightning_module, silent):
-            self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        """Cut the module (unless a validation before training did), then what training alone needs:
+        optimizers restricted to this rank's weights or shard, their restored state, the emulation."""
+        if not self.engine.prepared:
+            silent = LogCapture(self.plan.microbatch_size)
+            with capturing_logs(self.lightning_module, silent):
+                self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        self._training_prepared = True
         for optimizer in self.optimizers:
             self.engine.setup_optimizer(optimizer)
         for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
@@ -253,7 +260,7 @@ class ZorseStrategy(ProcessStrategy):
 
     @override
     def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
-        if not self.engine.prepared:
+        if not self._training_prepared:
             self._prepare_engine(batch, batch_idx)
         if self._manual is not None:
             with self.precision_plugin.train_step_context():
@@ -409,7 +416,10 @@ class ZorseStrategy(ProcessStrategy):
             )
         else:
             checkpoint = checkpointing.load(checkpoint_path, self.global_rank, self.world_size)
-        sampler = (checkpoint.get("zorse") or {}).get("sampler")
+        zorse = checkpoint.get("zorse") or {}
+        if zorse.get("plan"):
+            self._checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
+        sampler = zorse.get("sampler")
         if sampler:
             self._samples_done = sampler["samples_done"]
             self._restored_sampler = SamplerState(**sampler)

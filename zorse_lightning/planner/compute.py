@@ -16,13 +16,14 @@ Each element ``e`` has
 
 Then::
 
-    iteration_ms = sum_e l_e + max_e (T_e - l_e) + max_s sync_s
+    iteration_ms = sum_e l_e + max_e (T_e - l_e) + max_s (sync_s + update_s)
 
 The bottleneck element is busy ``T_e`` back to back; before its first microbatch
 and after its last, one microbatch must pass every other element (fill and drain).
 For ``S`` equal single-GPU stages with per-microbatch time ``t = f + b`` and ``M``
 microbatches this is the familiar ``(M + S - 1) t``; for one stage (data
-parallel) it is ``max_r n_r t_r`` plus the all-reduce. 1F1B and GPipe have the
+parallel) it is ``max_r n_r t_r`` plus the all-reduce and the optimizer step
+(:mod:`.update`; a stage's next forward waits for both). 1F1B and GPipe have the
 same fill and drain here (both run every forward of a microbatch before its
 backward through the whole pipe); they differ in memory (see :mod:`.memory`), so
 GPipe never beats 1F1B in this model and the search tries it only when pinned.

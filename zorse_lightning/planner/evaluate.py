@@ -28,6 +28,7 @@ from zorse_lightning.planner.memory import (
     state_bytes_per_parameter,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
+from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import bytes_to_gib, gib_to_bytes
 
@@ -67,6 +68,8 @@ class StageCost:
     latency_ms: float
     sync_ms: float
     memory: tuple[RankMemory, ...]
+    update_ms: tuple[float, ...]
+    """Each rank's optimizer step (:func:`stage_update_ms`), in the order of the stage's ranks."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,29 @@ class PlanCost:
         ends = index in (0, len(self.stages) - 1) and len(self.stages) > 1
         return self.stages[index].sync_ms + (self.tied_sync_ms if ends else 0.0)
 
+    def stage_update_ms(self, index: int) -> float:
+        """Optimizer step of stage ``index``: its slowest rank's (the stage's next forward waits for it)."""
+        return max(self.stages[index].update_ms)
+
+    def stage_tail_ms(self, index: int) -> float:
+        """What stage ``index`` does after its last backward: synchronise, then step the optimizer."""
+        return self.stage_sync_ms(index) + self.stage_update_ms(index)
+
+    @property
+    def update_ms(self) -> float:
+        """The slowest optimizer step of any stage."""
+        return max(self.stage_update_ms(i) for i in range(len(self.stages)))
+
+    @property
+    def tail_ms(self) -> float:
+        """The longest synchronisation plus optimizer step of any stage."""
+        return max(self.stage_tail_ms(i) for i in range(len(self.stages)))
+
     @property
     def iteration_ms(self) -> float:
-        return self.pipeline_ms + self.sync_ms
+        """The pipeline, then the stage that takes longest to synchronise and step (stages
+        do both independently; the closed form starts every stage's at the pipeline's end)."""
+        return self.pipeline_ms + self.tail_ms
 
 
 def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
@@ -151,7 +174,44 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
         latency_ms=stage_latency_ms(totals, counts),
         sync_ms=sync,
         memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()),
+        update_ms=stage_update_ms(ctx, plan, index),
     )
+
+
+def stage_update_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> tuple[float, ...]:
+    """Each rank's optimizer step on stage ``index`` (or on ``stage`` put in its place): its
+    shard of the stage's parameters when the stage shards optimizer state, all of them otherwise."""
+    stage = stage or plan.stages[index]
+    first, last = index == 0, index == len(plan.stages) - 1
+    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
+    updated = parameters_updated(parameters, stage.sharding, stage.effective_shard_fractions())
+    return tuple(
+        optimizer_step_ms(ctx.profile.times(t), ctx.inventory.gpus[r].gpu_type, n)
+        for r, t, n in zip(stage.ranks, stage.gpu_types, updated)
+    )
+
+
+def update_lower_bound_ms(ctx: CostContext, ranks: list[int]) -> float:
+    """No plan on ``ranks`` steps its optimizer faster than this: every parameter of the
+    model spread over them in proportion to their speed.
+
+    A stage of ``P`` parameters whose GPUs step one parameter in ``c_r`` ms waits for
+    its slowest, ``max_r f_r P c_r >= P / sum_r 1 / c_r`` for any shares ``f_r``
+    summing to one (all ones unsharded: slower still); the stages' ``P`` add up to at
+    least the model's, so the slowest stage takes at least the model's over the sum of
+    every GPU's ``1 / c_r``.
+    """
+    per_parameter_ms: dict[str, float] = {}
+    speed = 0.0
+    for rank in ranks:
+        gpu_type = ctx.inventory.gpus[rank].gpu_type
+        if gpu_type.name not in per_parameter_ms:
+            per_parameter_ms[gpu_type.name] = optimizer_step_ms(ctx.profile.times(gpu_type.name), gpu_type, 1.0)
+        cost = per_parameter_ms[gpu_type.name]
+        if cost <= 0:
+            return 0.0  # a free step
+        speed += 1.0 / cost
+    return ctx.profile.total_parameters / speed
 
 
 def plan_stage_widths(plan: Plan) -> tuple[int, ...]:

@@ -9,9 +9,10 @@ shares ``N`` microbatches as evenly as possible: the busiest holds
 
     constant_ms + sum_s latency[s][k_s]
                 + max_{s, g} (q_g * time[g][k_s] - latency[s][k_s])
-                + max_s sync[s][k_s]
+                + max_s tail[s][k_s]
 
-the pipeline formula of :mod:`.compute` with each stage's latency taken over all
+the pipeline formula of :mod:`.compute` (``tail``: the stage's synchronisation
+and optimizer step after its last backward) with each stage's latency taken over all
 its groups (the cost model takes only GPUs with microbatches, and adds the
 boundaries' busy time and 1F1B's round-trip waits: it prices the solution after).
 Memory of every group: ``fixed[g][k] + activation[g][k] * f_g <= capacity_g``
@@ -52,7 +53,8 @@ class GroupCosts:
 class StageCosts:
     groups: tuple[GroupCosts, ...]
     latency_ms: tuple[float, ...]
-    sync_ms: tuple[float, ...]
+    tail_ms: tuple[float, ...]
+    """Gradient synchronisation plus optimizer step after the stage's last backward."""
     sharded_bytes: tuple[float, ...]
     """Optimizer state sharded across the stage by free memory (zeros: unsharded)."""
     max_in_flight: int | None
@@ -175,7 +177,7 @@ def solve_assignment(
 
     # 1. Variables: one-hot layer count per stage; per group the microbatches it shares
     #    (n), its busiest GPU's count (q), and copies of both per layer count (m, w);
-    #    the bottleneck excess D and the exposed synchronisation E.
+    #    the bottleneck excess D and the exposed synchronisation and optimizer step E.
     use, total, busiest, copies, shares = {}, {}, {}, {}, {}
     for s, stage in enumerate(problem.stages):
         for k in options[s]:
@@ -188,14 +190,14 @@ def solve_assignment(
                 copies[s, g, k] = prob.add_variable(f"w_{s}_{g}_{k}", 0, limits[g])
                 shares[s, g, k] = prob.add_variable(f"m_{s}_{g}_{k}", 0, num_m)
     bottleneck = prob.add_variable("bottleneck_ms", None, None)
-    exposed_sync = prob.add_variable("sync_ms", 0, None)
+    exposed_tail = prob.add_variable("tail_ms", 0, None)
 
-    # 2. Objective: fill and drain latencies + bottleneck excess + exposed synchronisation.
+    # 2. Objective: fill and drain latencies + bottleneck excess + exposed synchronisation and step.
     prob += (
         problem.constant_ms
         + pulp.lpSum(problem.stages[s].latency_ms[k - 1] * var for (s, k), var in use.items())
         + bottleneck
-        + exposed_sync
+        + exposed_tail
     )
 
     # 3. Constraints.
@@ -232,8 +234,8 @@ def solve_assignment(
                     prob += (room / scale) * use[s, k] >= pulp.lpSum(
                         a / scale * copies[s, g, k] for g, a in enumerate(per_microbatch)
                     )
-        # 3.6 synchronisation after the last backward.
-        prob += exposed_sync >= pulp.lpSum(stage.sync_ms[k - 1] * use[s, k] for k in options[s])
+        # 3.6 synchronisation and optimizer step after the last backward.
+        prob += exposed_tail >= pulp.lpSum(stage.tail_ms[k - 1] * use[s, k] for k in options[s])
 
     warm = start is not None and _set_start(problem, options, start, use, total, busiest, copies, shares)
     prob.solve(_cbc(pulp, time_limit_s, warm_start=warm))

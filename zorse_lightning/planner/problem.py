@@ -4,7 +4,9 @@ the arrays of the integer program, and from its solution back to a :class:`Plan`
 The integer program chooses *how many* layers each stage gets. Where layers
 differ (measured profiles are noisy), each count is priced by its worst window
 of consecutive layers, so the program's times and memory are upper bounds of the
-cost model's for the split it returns (equal when the layers are alike).
+cost model's for the split it returns (equal when the layers are alike), except the
+optimizer step of a sharded stage, priced at an even split of the state: the split by
+free memory that the plan gets depends on the microbatches the program chooses.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
 from zorse_lightning.planner.memory import one_f_one_b_warmup, stage_state_bytes, state_bytes_per_parameter
 from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: b
     return time, params, act
 
 
+def _update_ms(ctx: CostContext, group: tuple[int, ...], parameters: float) -> float:
+    gpu_type = ctx.inventory.gpus[group[0]].gpu_type
+    return optimizer_step_ms(ctx.profile.times(gpu_type.name), gpu_type, parameters)
+
+
 def stage_groups(ctx: CostContext, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Identical GPUs of a stage: same type, memory and reserve."""
     found: dict[tuple, list[int]] = {}
@@ -132,6 +140,7 @@ def build_problem(
         bandwidth_gbps, latency_us = ctx.links.ring(ranks)
         extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
+        even_share = parameters_updated(1.0, sharding, (1.0 / len(ranks),))[0]  # of the stage's parameters, per rank
         costs = []
         for group in groups:
             gpu_type = ctx.inventory.gpus[group[0]].gpu_type.name
@@ -151,9 +160,10 @@ def build_problem(
             StageCosts(
                 groups=tuple(costs),
                 latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
-                sync_ms=tuple(
+                tail_ms=tuple(
                     ring_sync_ms(p * gradient_bytes_per_param, len(ranks), bandwidth_gbps, latency_us, sharding is not Sharding.NONE)
                     + (tied_ms if first or last else 0.0)
+                    + max(_update_ms(ctx, group, p * even_share) for group in groups)
                     for p in params
                 ),
                 sharded_bytes=tuple(stage_state_bytes(p, profile.dtype, sharding)[1] for p in params),

@@ -13,10 +13,10 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
    bound is below the best plan, skipping those where it has nothing to choose
-   (one stage of identical GPUs). It runs with the optimizer state sharded (free in
-   time in this model: it only saves memory) and without recomputation, and with
-   recomputation only when that does not fit; stages that also fit unsharded are
-   then left unsharded.
+   (one stage of identical GPUs). It runs with the optimizer state sharded (it saves
+   memory, and each GPU steps only its shard) and without recomputation, and with
+   recomputation only when that does not fit; stages that also fit unsharded, and
+   whose longer optimizer step does not lengthen the iteration, are then left unsharded.
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
 smaller (see :mod:`.compute`).
@@ -31,7 +31,15 @@ from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTS_IDLE_RANK
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
-from zorse_lightning.planner.evaluate import CostContext, stage_memory
+from zorse_lightning.planner.evaluate import (
+    CostContext,
+    memory_overruns,
+    plan_cost,
+    prediction,
+    stage_memory,
+    stage_update_ms,
+    update_lower_bound_ms,
+)
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
@@ -64,8 +72,7 @@ class PlannerOptions:
     """Per-GPU framework reserve; None: 0.5 GiB, scaled down on emulated clusters."""
     allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
     """Let plans leave the slowest GPU types idle when they would slow the rest down.
-    Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); set True for
-    planning studies only while the engine cannot run such plans."""
+    Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); False: every rank works."""
     max_stages: int = 16
     max_programs: int = 8
     """Integer programs to solve, most promising candidates (by their heuristic split) first."""
@@ -137,8 +144,8 @@ def make_plan(
             assignment = solve_assignment(problem, options.solver_time_limit_s, start)
             solves += 1
             if assignment is not None:
-                plan = _unshard_where_it_fits(ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes))
-                best = _faster(best, priced(ctx, plan))
+                plan = to_plan(ctx, candidate, assignment, groups, global_batch_size, notes)
+                best = _faster(best, _priced_unsharded_where_free(ctx, plan))
                 break
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
@@ -174,7 +181,7 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
         return None
     for recompute in (False, True):
         for plan in _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
-            plan = plan and priced(ctx, _unshard_where_it_fits(ctx, plan))
+            plan = plan and _priced_unsharded_where_free(ctx, plan)
             if plan is not None:
                 return plan
     return None
@@ -264,7 +271,10 @@ def _lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size:
     passing every microbatch through one layer and the embedding or head it holds,
     spread over its own GPUs. Add one microbatch through each other stage (fill and
     drain: the largest such term is left out, it may be the busiest stage's) and
-    through each boundary at its fastest link.
+    through each boundary at its fastest link. Then the optimizer step: the stages hold
+    every parameter between them, and no split of them over stages and shards steps
+    faster than all of them spread over every GPU of the layout by its speed
+    (:func:`update_lower_bound_ms`).
     """
     num_m = global_batch_size // m
     last = len(layout) - 1
@@ -284,19 +294,34 @@ def _lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size:
     fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
     message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
     transfers = sum(2 * boundary_transfer_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
-    return max(whole_model, one_layer_per_stage) + sum(fill) - max(fill) + transfers
+    compute = max(whole_model, one_layer_per_stage) + sum(fill) - max(fill) + transfers
+    return compute + update_lower_bound_ms(ctx, [r for ranks in layout for r in ranks])
 
 
-def _unshard_where_it_fits(ctx: CostContext, plan: Plan) -> Plan:
-    """Prefer unsharded stages: same time in this model, fewer collectives to get wrong."""
+def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
+    """The plan, priced, with its stages unsharded where they fit and that is no slower
+    (fewer collectives to get wrong); None when it does not fit even sharded.
+
+    Unsharding changes only the stage's own optimizer step (each GPU then steps all
+    of the stage's parameters; the synchronisation moves the same bytes either way),
+    so it costs nothing while the stage's synchronisation and step stay within the
+    longest of the plan's.
+    """
+    cost = plan_cost(ctx, plan)
+    if memory_overruns(ctx, plan, cost):
+        return None
     stages = list(plan.stages)
     for i, stage in enumerate(stages):
         if stage.sharding is Sharding.NONE:
             continue
-        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), _unsharded(stage))
-        if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
-            stages[i] = _unsharded(stage)
-    return plan if stages == list(plan.stages) else replace(plan, stages=tuple(stages))
+        unsharded = _unsharded(stage)
+        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
+        fits = all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory))
+        if fits and cost.stage_sync_ms(i) + max(stage_update_ms(ctx, plan, i, unsharded)) <= cost.tail_ms:
+            stages[i] = unsharded
+    if stages == list(plan.stages):
+        return replace(plan, predicted=prediction(ctx, plan, cost))
+    return priced(ctx, replace(plan, stages=tuple(stages)))
 
 
 def _unsharded(stage: StagePlan) -> StagePlan:

@@ -1,22 +1,27 @@
-"""A plan as a timeline: every forward, backward, transfer and synchronisation of one
-iteration, from an event simulation of the schedule (someone else draws it).
+"""A plan as a timeline: every forward, backward, transfer, synchronisation and optimizer
+step of one iteration, from an event simulation of the schedule (someone else draws it).
 
 Each rank runs its microbatches in index order. Under 1F1B a rank of stage ``i``
 of ``S`` starts at most ``min(n, S - i)`` forwards ahead of its backwards and, when
 both are ready, runs the backward first; under GPipe it runs every forward, then
 every backward. A forward needs the previous stage's output (after the transfer),
 a backward the next stage's gradient (the last stage's, its own forward). Per-op
-times, transfer times and synchronisation times are the cost model's
-(:mod:`.evaluate`); the stage's synchronisation starts when its last rank ends
-its last backward.
+times, transfer times, synchronisation and optimizer step times are the cost
+model's (:mod:`.evaluate`); the stage's synchronisation starts when its last rank
+ends its last backward, and each rank's optimizer step when the synchronisation
+ends.
 
 Relationship to the cost model's ``iteration_ms`` (tested): equal when stages
-have no transfer time and every rank of a stage has the same work (the
-textbook ``(M + S - 1) t`` for single-GPU stages, ``max_r n_r t_r`` plus the
-all-reduce for one stage); with transfers, the simulation may be longer (1F1B
-stalls while a gradient makes its round trip, which the closed form ignores) or
+have no transfer time and every rank of a stage has the same work, and the stage
+that takes longest to synchronise and step is one that finishes its backwards
+last (the textbook ``(M + S - 1) t`` for single-GPU stages whose optimizer steps
+are negligible, ``max_r n_r t_r`` plus the all-reduce plus the slowest optimizer
+step for one stage); with transfers, the simulation may be longer (1F1B stalls
+while a gradient makes its round trip, which the closed form ignores) or
 shorter (the closed form charges a shared link's whole traffic as a separate
-pipeline element, while the simulation overlaps it with compute).
+pipeline element, while the simulation overlaps it with compute). It is also
+shorter when a stage that ends early has the longest synchronisation and step:
+the closed form starts every stage's at the pipeline's end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class EventKind(str, Enum):
     SEND = "send"
     RECV = "recv"
     ALLREDUCE = "allreduce"
+    OPTIMIZER = "optimizer"
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class TimelineEvent:
     rank: int
     kind: EventKind
     microbatch: int
-    """-1 for the synchronisation."""
+    """-1 for the synchronisation and the optimizer step."""
     start_ms: float
     end_ms: float
 
@@ -132,9 +138,12 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     done = sum(s.backwarded for s in ranks.values())
     if done != plan.num_microbatches * num_stages:
         raise RuntimeError(f"simulation stalled after {done} of {plan.num_microbatches * num_stages} backwards")
-    for index, stage in enumerate(plan.stages):
+    for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
         end = max(ranks[r].free_at for r in stage.ranks)
-        events.extend(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, end + cost.stage_sync_ms(index)) for r in stage.ranks)
+        synced = end + cost.stage_sync_ms(index)
+        for r, update_ms in zip(stage.ranks, stage_cost.update_ms):
+            events.append(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, synced))
+            events.append(TimelineEvent(r, EventKind.OPTIMIZER, -1, synced, synced + update_ms))
     return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
 
 

@@ -189,6 +189,7 @@ def _to_json(m: MeasuredBlocks) -> dict[str, Any]:
         "gpu_type": m.times.gpu_type,
         "seq_len": m.seq_len,
         "dtype": m.dtype,
+        "optimizer_ms_per_million_parameters": m.times.optimizer_ms_per_million_parameters,
         "blocks": [
             {"shape": asdict(s), "forward": asdict(t.forward), "backward": asdict(t.backward)}
             for s, t in zip(blocks, times)
@@ -199,7 +200,10 @@ def _to_json(m: MeasuredBlocks) -> dict[str, Any]:
 def _from_json(d: dict[str, Any]) -> MeasuredBlocks:
     shapes = [BlockShape(**b["shape"]) for b in d["blocks"]]
     times = [BlockTimes(_curve_from(b["forward"]), _curve_from(b["backward"])) for b in d["blocks"]]
-    device_times = DeviceTimes(d["gpu_type"], ProfileSource.MEASURED, times[0], tuple(times[1:-1]), times[-1])
+    device_times = DeviceTimes(
+        d["gpu_type"], ProfileSource.MEASURED, times[0], tuple(times[1:-1]), times[-1],
+        d.get("optimizer_ms_per_million_parameters"),  # absent from files written before it existed
+    )
     return MeasuredBlocks(
         d["signature"], d["seq_len"], d["dtype"], device_times, shapes[0], tuple(shapes[1:-1]), shapes[-1], True
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from zorse_lightning.errors import PlanningError
+
 MIN_BLOCK_TIME_MS = 1e-3
 """Floor for fitted times: some reference fits have negative intercepts."""
 
@@ -75,6 +77,18 @@ class DeviceTimes:
     embedding: BlockTimes
     layers: tuple[BlockTimes, ...]
     head: BlockTimes
+    optimizer_ms_per_million_parameters: float | None = None
+    """Optimizer step time per million parameters it updates, measured on the device;
+    None: the planner estimates it from the GPU type's memory bandwidth
+    (:func:`zorse_lightning.planner.update.optimizer_step_ms`)."""
+
+    def __post_init__(self) -> None:
+        rate = self.optimizer_ms_per_million_parameters
+        if rate is not None and not 0 <= rate < float("inf"):
+            raise PlanningError(
+                f"times of GPU type {self.gpu_type!r}: optimizer_ms_per_million_parameters={rate!r} must be a "
+                f"finite number >= 0 (a measured step time per million parameters), or None to estimate it"
+            )
 
 
 @dataclass(frozen=True)

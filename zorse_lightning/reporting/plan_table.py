@@ -1,4 +1,9 @@
-"""The plan as a terminal table, with the predicted cost of each baseline beside it."""
+"""The plan as a terminal table, with the predicted cost of each baseline beside it.
+
+Idle ranks (in no stage: the plan is faster without them) get a row of their own,
+marked ``idle``, so a reader sees which GPUs the plan leaves unused and why none of
+the stages lists them.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +28,16 @@ def _grouped(values: list[str]) -> str:
     return ", ".join(f"{count}x {value}" if count > 1 else value for value, count in Counter(values).items())
 
 
+def _idle_title(plan: Plan) -> str:
+    if not plan.idle_ranks:
+        return ""
+    return f"; {len(plan.idle_ranks)} of {plan.world_size} GPUs idle"
+
+
 def plan_table(plan: Plan, ctx: CostContext) -> Table:
     cost = plan_cost(ctx, plan)
     table = Table(title=f"plan for {plan.model} on {plan.cluster}: {plan.schedule.value}, microbatch {plan.microbatch_size}, "
-                  f"{plan.num_microbatches} microbatches per iteration")
+                  f"{plan.num_microbatches} microbatches per iteration{_idle_title(plan)}")
     for column in ("stage", "ranks", "GPUs", "layers", "microbatches per GPU", "memory GiB used/capacity", "ms per microbatch", "sharding"):
         table.add_column(column, no_wrap=column in ("GPUs", "ranks"))
     for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
@@ -43,6 +54,12 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
             _grouped(memory) if len(set(memory)) < len(memory) else " ".join(memory),
             _grouped(times) if len(set(times)) < len(times) else " ".join(times),
             stage.sharding.value + (" +recompute" if stage.recompute else ""),
+        )
+    if plan.idle_ranks:
+        gpus = [ctx.inventory.gpus[r] for r in plan.idle_ranks]
+        table.add_row(
+            "idle", _ranks(plan.idle_ranks), _grouped([g.gpu_type.name for g in gpus]), "none", "0",
+            _grouped([f"0/{g.memory_gib:g}" for g in gpus]), "-", "-", style="dim",
         )
     return table
 

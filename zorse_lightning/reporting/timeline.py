@@ -1,4 +1,5 @@
-"""Draw one iteration of a plan: a row per GPU, bars for forward, backward and communication."""
+"""Draw one iteration of a plan: a row per GPU, bars for forward, backward, communication
+and the optimizer step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Protocol
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.simulate import simulate
+
+COMPUTE_KINDS = ("forward", "backward", "optimizer")
+"""Drawn full height; every other kind is communication."""
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -31,7 +35,7 @@ class TimelineEvent(Protocol):
 def draw_plan_timeline(plan: Plan, ctx: CostContext, path: str | Path) -> Path:
     """Simulate one iteration of ``plan`` in the cost model and draw it."""
     timeline = simulate(ctx, plan)
-    labels = [""] * plan.world_size
+    labels = [f"{rank} {ctx.inventory.gpus[rank].gpu_type.name} idle" for rank in range(plan.world_size)]
     for index, stage in enumerate(plan.stages):
         for rank, gpu_type, count in zip(stage.ranks, stage.gpu_types, stage.microbatches_per_rank):
             labels[rank] = f"{rank} {gpu_type} s{index} ({count} mb)"
@@ -69,7 +73,7 @@ def draw_timeline(
     figure, axes = plt.subplots(figsize=(12, min(height, 40)))
     # Communication is drawn as a thin bar at the bottom of the row so it never hides compute.
     for event in events:
-        communication = event.kind not in ("forward", "backward")
+        communication = event.kind not in COMPUTE_KINDS
         axes.broken_barh(
             [(event.start_ms, max(event.end_ms - event.start_ms, 1e-6))],
             (event.rank - 0.4, 0.25 if communication else 0.8),

@@ -15,8 +15,10 @@ def hand_plan(
     shard_fractions: dict[int, tuple[float, ...]] | None = None,
     recompute: bool = False,
     inventory: ClusterInventory | None = None,
+    idle_ranks: tuple[int, ...] = (),
 ) -> Plan:
-    """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``)."""
+    """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``),
+    ``idle_ranks`` in no stage."""
     built = []
     for index, (ranks, counts, layers) in enumerate(stages):
         built.append(
@@ -36,9 +38,10 @@ def hand_plan(
         model="test",
         cluster="test",
         num_layers=stages[-1][2][1],
-        world_size=sum(len(s[0]) for s in stages),
+        world_size=sum(len(s[0]) for s in stages) + len(idle_ranks),
         global_batch_size=num_microbatches * microbatch_size,
         microbatch_size=microbatch_size,
         schedule=schedule,
         stages=tuple(built),
+        idle_ranks=idle_ranks,
     )
