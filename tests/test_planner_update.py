@@ -5,16 +5,24 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from test_planner_costs import LAYER_PARAMS, _device, _inventory, _plan, _profile
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, make_plan
-from zorse_lightning.planner.evaluate import CostContext, plan_cost, update_lower_bound_ms
-from zorse_lightning.planner.update import ADAM_STEP_BYTES_PER_PARAMETER, optimizer_step_ms, parameters_updated
+from zorse_lightning.planner.comm import LINK_EFFICIENCY
+from zorse_lightning.planner.evaluate import (
+    CostContext,
+    plan_cost,
+    update_lower_bound_ms,
+)
+from zorse_lightning.planner.update import (
+    ADAM_STEP_BYTES_PER_PARAMETER,
+    optimizer_step_ms,
+    parameters_updated,
+)
 from zorse_lightning.profiling.profile import ModelProfile
-
-from test_planner_costs import LAYER_PARAMS, _device, _inventory, _plan, _profile
 
 A100, V100 = DEFAULT_CATALOG.get("a100x40"), DEFAULT_CATALOG.get("v100x16")
 
@@ -67,9 +75,12 @@ def test_iteration_adds_each_stages_sync_and_slowest_update() -> None:
     # sharded 3:1, the V100 steps a quarter: 0.75 x 4 = 3 ms, 0.25 x 10 = 2.5 ms
     sharded = plan_cost(ctx, _plan(Sharding.OPTIMIZER, (0.75, 0.25)))
     assert sharded.stages[0].update_ms == pytest.approx((3.0, 2.5))
-    assert sharded.sync_ms == pytest.approx(sync)  # the same bytes either way
+    # the same all-reduce, then an all-gather of the fp16 weights, shards padded to the larger (0.75):
+    # 2 ranks x 0.75 x 4e6 bytes, half of it over 80 Gb/s at 95 %, plus one 5 us latency
+    gather = 0.5 * (2 * 0.75 * 2 * 2 * LAYER_PARAMS) / (80e9 / 8 * LINK_EFFICIENCY) * 1e3 + 0.005
+    assert sharded.sync_ms == pytest.approx(sync + gather)
     assert sharded.pipeline_ms == pytest.approx(unsharded.pipeline_ms)
-    assert sync + 3.0 < 4.0  # now stage 1's step is the longest tail
+    assert sync + gather + 3.0 < 4.0  # now stage 1's step is the longest tail
     assert sharded.update_ms == pytest.approx(4.0)
     assert sharded.iteration_ms == pytest.approx(sharded.pipeline_ms + 4.0)
 

@@ -226,4 +226,4 @@ class PipelineEngine:
 
     def after_optimizer_step(self) -> None:
         if self.shards is not None:
-            self.shards.broadcast_updates()
+            self.shards.gather_updates()
