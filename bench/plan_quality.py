@@ -5,11 +5,13 @@ planner's own cost model, against each baseline and against a compute-only bound
     .venv/bin/python -m bench.plan_quality --no-allow-idle-ranks   # every GPU must work
 
 Cases: each cluster in ``zorse_lightning/conf/cluster/*.yaml`` x each model of
-:data:`MODELS` at sequence length 512, float16, global batch 8 samples per GPU
-(``--samples-per-gpu``): every GPU can get work at every microbatch size up to 8,
-and the batch grows with the cluster as data-parallel users scale it. Few
-microbatches per GPU make pipeline fill and drain and per-microbatch intercepts
-weigh more: the ratio to the bound falls with bigger batches. A case where
+:data:`MODELS` at sequence length 512, float16, global batch 32 samples per GPU
+(``--samples-per-gpu``), so the batch grows with the cluster as data-parallel
+users scale it: 256 to 1024 sequences of 512 tokens on 8 to 32 GPUs, 0.13 to
+0.5 M tokens, below the 0.5 to 1 M tokens models of these sizes are trained
+with (GPT-3's 1.3B to 6.7B: 1 to 2 M). Fewer samples per GPU make pipeline fill
+and drain and per-microbatch intercepts, which the bound leaves out, weigh more:
+at 8 samples per GPU the median ratio to the bound is about 1.56. A case where
 neither the planner nor any baseline fits in memory (the reference models on the
 emulated ``cpu_sim`` clusters, whose budgets are a few hundred MiB) is listed as
 skipped, not counted.
@@ -53,7 +55,7 @@ CLUSTER_DIR = Path(__file__).resolve().parents[1] / "zorse_lightning" / "conf" /
 MODELS = ("llama_tiny", "llama_3b", "llama_7b", "llama_13b", "llama_33b", "gpt_1.3b", "gpt_2.7b", "gpt_6.7b")
 SEQ_LEN = 512
 DTYPE = "float16"
-SAMPLES_PER_GPU = 8
+SAMPLES_PER_GPU = 32
 SLACK = 1e-9
 """Relative tolerance when comparing a plan with a baseline (equal plans price equal)."""
 

@@ -4,11 +4,16 @@ them are compared in one model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.comm import LinkTable, ring_sync_ms, stage_sync_ms, transfer_ms
+from zorse_lightning.planner.comm import (
+    LinkTable,
+    ring_sync_ms,
+    stage_sync_ms,
+    transfer_ms,
+)
 from zorse_lightning.planner.compute import (
     MicrobatchTimes,
     pipeline_ms,
@@ -43,6 +48,19 @@ class CostContext:
     reserves_bytes: tuple[float, ...]
     """Framework reserve per rank (see :func:`reserve_gib`)."""
     capacities_bytes: tuple[float, ...]
+    _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
+
+    def microbatch_times(
+        self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool
+    ) -> MicrobatchTimes:
+        """:func:`stage_microbatch_times` of this context's profile, computed once per arguments."""
+        key = (gpu_type, layers, microbatch_size, first, last, recompute)
+        if key not in self._microbatch_times:
+            self._microbatch_times[key] = stage_microbatch_times(
+                self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute
+            )
+        return self._microbatch_times[key]
 
     @classmethod
     def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
@@ -157,9 +175,7 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     first, last = index == 0, index == len(plan.stages) - 1
     profile = ctx.profile
     by_type = {
-        t: stage_microbatch_times(
-            profile.times(t), stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
-        )
+        t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute)
         for t in set(stage.gpu_types)
     }
     times = tuple(by_type[t] for t in stage.gpu_types)
