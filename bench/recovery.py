@@ -1,19 +1,33 @@
-"""Recovery time: relaunch to first completed step, reading survivors' state first vs a plain reload.
+"""Recovery time: a relaunch after a rank died, reading survivors' state first vs a plain reload.
 
-    .venv/bin/python bench/recovery.py [--width 256] [--layers 8]   # about 2 minutes on 2 CPU cores
+    .venv/bin/python bench/recovery.py [--width 256] [--layers 8] [--repeats 3]   # about 2 minutes on 2 cores
 
 A 3-rank run (stage 0 on rank 0, stage 1 on ranks 1 and 2) checkpoints at step
 2; rank 2 is SIGKILLed in step 4; ranks 0 and 1 keep their state of step 3.
-Then two relaunches on 2 ranks from the step-2 checkpoint, each timed by rank 0
-from the start of ``fit`` to the end of its first step:
+Then the same relaunch, ``--repeats`` times each and alternating: 2 ranks
+(cpu_sim2), the same plan, model and ``fit(ckpt_path=<the step-2 checkpoint>)``;
+only the source of the state differs:
 
-- ``recovery``: the default (survivors' files first; it resumes at step 3);
-- ``plain``: ``RecoveryPolicy(enabled=False)`` (every shard of the checkpoint; step 2 again).
+- ``recovery``: the default ``RecoveryPolicy`` (survivors' files first; it resumes at step 3);
+- ``plain``: ``RecoveryPolicy(enabled=False)`` (every file of the checkpoint; step 2 again).
 
-The ratio is plain over recovery. Both include process-group set-up and the
-first step; the survivors' gain is the files not read and, on a real run, the
-steps not redone (here one). The last line printed is one JSON object:
-``{"recovery_s", "plain_reload_s", "ratio"}``.
+``recovery_s`` and ``plain_reload_s`` (medians) are rank 0's time from the
+moment every rank has joined the process group (all started and imported: the
+first point where a relaunch runs in step) to the end of its first completed
+step: reading the state, strategy set-up (groups, watchdog), data, first step
+(the engine cuts the model there). What comes before is the same for both and
+depends on the slowest rank's start: process start and imports, building the
+model and Trainer, forming the process group (``phases_s``; ``relaunch_s`` is
+the whole, from the launch of the processes). Not included: the steps a plain
+reload redoes to get back to where the run was (``steps_redone``, here 1), so
+the ratio understates the survivors' gain. ``ratio`` is plain over recovery.
+The bench stops with an error if the survivors kept nothing (then both
+relaunches would read the checkpoint, and the ratio would mean nothing).
+
+The last line printed is one JSON object: ``{"recovery_s", "plain_reload_s",
+"ratio", "steps_redone", "relaunch_s": {"recovery", "plain"}, "phases_s":
+{"recovery": {phase: s}, "plain": {...}}, "files_read": {"recovery": {"survivor",
+"checkpoint"}, "plain": {...}}, "repeats"}``.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,10 +46,13 @@ from pathlib import Path
 from zorse_lightning.testing.launch import free_port
 
 KILLED_AT = 3
+PHASES = (("process_group", "fit", "read_state_start"), ("read_state", "read_state_start", "read_state_end"),
+          ("strategy_setup", "read_state_end", "fit_start"), ("data", "fit_start", "train_start"),
+          ("first_step", "train_start", "first_step"))
+"""(phase, rank 0's mark at its start, at its end): ``fit`` runs them in this order."""
 
 
-
-def _rank(rank: int, world: int, port: int, phase: str, out: Path, width: int, layers: int) -> None:
+def _rank(rank: int, world: int, port: int, phase: str, out: Path, args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -45,96 +63,139 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, width: int, l
     from zorse_lightning.glue.fast_recovery import RecoveryPolicy
     from zorse_lightning.glue.strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
+    from zorse_lightning.testing.launch import torchrun_variables
+    from zorse_lightning.testing.plans import hand_plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_faults import CLUSTER as THREE_RANKS
 
-    from zorse_lightning.testing.plans import hand_plan
-
+    marks = {"imported": time.time()}
     torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="bench", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    half = layers // 2
+    os.environ.update(torchrun_variables(rank, world, port))
+    half = args.layers // 2
     if world == 3:
         inventory = load_cluster(THREE_RANKS)
-        stages = [((0,), (4,), (0, half)), ((1, 2), (2, 2), (half, layers))]
+        stages = [((0,), (4,), (0, half)), ((1, 2), (2, 2), (half, args.layers))]
     else:
         inventory = load_cluster("cpu_sim2")
-        stages = [((0,), (4,), (0, half)), ((1,), (4,), (half, layers))]
+        stages = [((0,), (4,), (0, half)), ((1,), (4,), (half, args.layers))]
     plan = hand_plan(stages, microbatch_size=2, inventory=inventory)
-    started = time.perf_counter()
+    relaunch = phase != "killed"
 
     class Timer(pl.Callback):
+        def on_fit_start(self, trainer, module):
+            marks["fit_start"] = time.time()
+
+        def on_train_start(self, trainer, module):
+            marks["train_start"] = time.time()
+            self.resumed_at = trainer.global_step
+
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if phase == "killed" and rank == 2 and trainer.global_step == KILLED_AT:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        def on_train_start(self, trainer, module):
-            self.resumed_at = trainer.global_step
-
-        def on_train_batch_end(self, trainer, *args):
-            if phase != "killed" and rank == 0 and not (out / f"{phase}.json").exists():
+        def on_train_batch_end(self, trainer, *rest):
+            if relaunch and rank == 0 and "first_step" not in marks:
+                marks["first_step"] = time.time()
                 report = trainer.strategy.recovery_report
                 (out / f"{phase}.json").write_text(json.dumps({
-                    "seconds": time.perf_counter() - started, "resumed_at": self.resumed_at,
+                    "marks": marks, "resumed_at": self.resumed_at,
                     "survivor_files": len(report.survivor_files) if report else 0,
+                    "checkpoint_files": len(report.checkpoint_files) if report else len(json.loads(
+                        (out / "ckpt" / f"step={KILLED_AT - 1}.ckpt" / "manifest.json").read_text())["files"]),
                 }))
 
-    strategy = ZorseStrategy(cluster=inventory, plan=plan, emulate=False, faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25),
+    strategy = ZorseStrategy(cluster=inventory, plan=plan, emulate=False,
+                             faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25),
                              recovery=RecoveryPolicy(enabled=phase != "plain"))
+    load = strategy.load_checkpoint
+
+    def timed_load(*load_args, **kwargs):
+        marks["read_state_start"] = time.time()
+        try:
+            return load(*load_args, **kwargs)
+        finally:
+            marks["read_state_end"] = time.time()
+
+    strategy.load_checkpoint = timed_load
+    saving = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)]
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=KILLED_AT + 2 if phase == "killed" else
-        KILLED_AT + 1, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-        callbacks=[Timer(), ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2,
-                                            save_top_k=-1)] if phase == "killed" else [Timer()],
-        enable_checkpointing=phase == "killed",
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=KILLED_AT + 1 if relaunch else KILLED_AT + 2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        callbacks=[Timer(), *([] if relaunch else saving)], enable_checkpointing=not relaunch,
     )
     torch.manual_seed(0)
-    model = GPT(vocab_size=64, seq_len=16, width=width, layers=layers, heads=4)
+    model = GPT(vocab_size=64, seq_len=16, width=args.width, layers=args.layers, heads=4)
     tokens = torch.randint(0, 64, (8 * 8, 17), generator=torch.Generator().manual_seed(2))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    ckpt = out / "ckpt" / f"step={KILLED_AT - 1}.ckpt" if phase != "killed" else None
-    trainer.fit(model, loader, ckpt_path=ckpt)
+    marks["launched"] = args.launched_at
+    marks["fit"] = time.time()
+    trainer.fit(model, loader, ckpt_path=out / "ckpt" / f"step={KILLED_AT - 1}.ckpt" if relaunch else None)
 
 
 def _launch(world: int, phase: str, out: Path, args: argparse.Namespace) -> None:
-    port = free_port()
-    processes = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--port",
-                                   str(port), "--phase", phase, "--out", str(out), "--width", str(args.width),
-                                   "--layers", str(args.layers)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                 for r in range(world)]
+    port, launched_at = free_port(), time.time()
+    common = ["--world", str(world), "--port", str(port), "--phase", phase, "--out", str(out), "--width",
+              str(args.width), "--layers", str(args.layers), "--launched-at", str(launched_at)]
+    processes = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE) for r in range(world)]
     for process in processes:
         process.communicate(timeout=600)
+
+
+def _phases(marks: dict[str, float]) -> dict[str, float]:
+    phases = {"start_and_import": marks["imported"] - marks["launched"], "build": marks["fit"] - marks["imported"]}
+    return {**phases, **{name: marks[end] - marks[start] for name, start, end in PHASES}}
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: round(statistics.median(run[name] for run in runs), 3) for name in runs[0]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rank", type=int)
-    parser.add_argument("--world", type=int)
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--phase")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--repeats", type=int, default=3, help="relaunches of each kind (medians are reported)")
+    for internal in ("--rank", "--world", "--port", "--launched-at"):
+        parser.add_argument(internal, type=float if internal == "--launched-at" else int, help=argparse.SUPPRESS)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        _rank(args.rank, args.world, args.port, args.phase, args.out, args.width, args.layers)
+        _rank(args.rank, args.world, args.port, args.phase, args.out, args)
         return
+    runs: dict[str, list[dict]] = {"recovery": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         _launch(3, "killed", out, args)
-        _launch(2, "recovery", out, args)
-        _launch(2, "plain", out, args)
-        recovery, plain = (json.loads((out / f"{p}.json").read_text()) for p in ("recovery", "plain"))
-    print(f"recovery (survivors first): {recovery['seconds']:.2f} s, resumed at step {recovery['resumed_at']}, "
-          f"from {recovery['survivor_files']} survivors' files")
-    print(f"plain reload: {plain['seconds']:.2f} s, resumed at step {plain['resumed_at']} from the checkpoint")
-    print(f"ratio (plain / recovery): {plain['seconds'] / recovery['seconds']:.2f}")
-    print(json.dumps({"recovery_s": round(recovery["seconds"], 3), "plain_reload_s": round(plain["seconds"], 3),
-                      "ratio": round(plain["seconds"] / recovery["seconds"], 3)}))
-
+        for _ in range(args.repeats):
+            for kind, found in runs.items():
+                _launch(2, kind, out, args)
+                found.append(json.loads((out / f"{kind}.json").read_text()))
+                (out / f"{kind}.json").unlink()
+    if any(r["resumed_at"] <= runs["plain"][0]["resumed_at"] for r in runs["recovery"]):
+        raise SystemExit("the recovery relaunch resumed from the checkpoint's step: the survivors of the killed run "
+                         "kept nothing (see its stderr); no figure to report")
+    phases = {kind: _median([_phases(r["marks"]) for r in found]) for kind, found in runs.items()}
+    seconds = {kind: _median([{"in_step": r["marks"]["first_step"] - r["marks"]["read_state_start"],
+                               "relaunch": r["marks"]["first_step"] - r["marks"]["launched"]} for r in found])
+               for kind, found in runs.items()}
+    recovery, plain = runs["recovery"][0], runs["plain"][0]
+    for kind, found in runs.items():
+        print(f"{kind}: {seconds[kind]['in_step']:.2f} s from the process group to the first step (whole relaunch "
+              f"{seconds[kind]['relaunch']:.2f} s; medians of {args.repeats}), resumed at step {found[0]['resumed_at']}; "
+              "phases: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[kind].items()))
+    ratio = seconds["plain"]["in_step"] / seconds["recovery"]["in_step"]
+    print(f"ratio (plain / recovery): {ratio:.2f}")
+    print(json.dumps({
+        "recovery_s": seconds["recovery"]["in_step"], "plain_reload_s": seconds["plain"]["in_step"],
+        "ratio": round(ratio, 3), "steps_redone": recovery["resumed_at"] - plain["resumed_at"],
+        "relaunch_s": {kind: seconds[kind]["relaunch"] for kind in runs}, "phases_s": phases,
+        "files_read": {kind: {"survivor": r["survivor_files"], "checkpoint": r["checkpoint_files"]}
+                       for kind, r in (("recovery", recovery), ("plain", plain))},
+        "repeats": args.repeats,
+    }))
 
 if __name__ == "__main__":
     main()

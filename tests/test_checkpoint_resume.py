@@ -6,7 +6,8 @@ process group when the number of ranks changes:
 A. 4 ranks (optimizer state sharded in both stages), 4 steps without stopping; ``ModelCheckpoint`` saves
    every 2 steps (mid-epoch: an epoch has 6).
 B. 4 ranks resume from A's step-2 checkpoint (a truncated copy of it is refused first).
-C. 3 ranks (another plan) resume from A's step-2 checkpoint.
+C. 3 ranks resume from A's step-2 checkpoint, planning at start (no plan given) with a DataLoader batch
+   of 16 // 3 = 5: the plan keeps the checkpoint's global batch of 16, not 5 x 3.
 D. 2 ranks train 2 steps and save; E. 4 ranks resume from it.
 
 Every run ends at step 4 with the same global batch (16) and data order, so
@@ -27,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from zorse_lightning.testing.plans import hand_plan
 from test_faults import CLUSTER
 from test_strategy_training import GLOBAL_BATCH, Recorder, _gpt, _tokens
 from torch.utils.data import DataLoader
@@ -38,6 +38,7 @@ from zorse_lightning.engine.checkpoint_files import CheckpointError, shard_name
 from zorse_lightning.glue.export import export_state_dict
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.testing.launch import free_ports
+from zorse_lightning.testing.plans import hand_plan
 
 STEPS = 4
 EVERY = 2
@@ -54,8 +55,10 @@ def _plans():
     }
 
 
-def _fit(world: int, tmp: Path, steps: int, ckpt_path: Path | None = None, save_every: Path | None = None):
+def _fit(world: int, tmp: Path, steps: int, ckpt_path: Path | None = None, save_every: Path | None = None,
+         plan_at_start: bool = False):
     inventory, plan = _plans()[world]
+    plan = None if plan_at_start else plan
     recorder = Recorder("train_loss")
     callbacks = [recorder]
     if save_every is not None:
@@ -84,6 +87,7 @@ def _finish(name: str, trainer: pl.Trainer, model: pl.LightningModule, losses: l
     return {
         "losses": losses,
         "step": trainer.global_step,
+        "global_batch_size": trainer.strategy.plan.global_batch_size,
         "held_vs_export": max((held[n] - exported[n]).abs().max().item() for n in held),
     }
 
@@ -110,7 +114,7 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
     result["B"] = _finish("B", *_fit(4, tmp, STEPS, ckpt_path=step2), tmp)
     if rank < 3:
         _join(3, ports[1])
-        result["C"] = _finish("C", *_fit(3, tmp, STEPS, ckpt_path=step2), tmp)
+        result["C"] = _finish("C", *_fit(3, tmp, STEPS, ckpt_path=step2, plan_at_start=True), tmp)
     if rank < 2:
         _join(2, ports[2])
         trainer, _, result["D_losses"] = _fit(2, tmp, EVERY)
@@ -157,7 +161,7 @@ def test_resume_on_another_cluster_continues_the_same_trajectory(results, run, w
     assert _max_diff(export_state_dict(out / "A.ckpt"), export_state_dict(out / f"{run}.ckpt")) < 1e-5, worlds
     for result in ranks:
         if run in result:
-            assert result[run]["step"] == STEPS
+            assert result[run]["step"] == STEPS and result[run]["global_batch_size"] == GLOBAL_BATCH
             assert max(abs(a - b) for a, b in zip(result[run]["losses"], result["A"]["losses"][EVERY:])) < 1e-5
     assert max(abs(a - b) for a, b in zip(ranks[0]["D_losses"], ranks[0]["A"]["losses"][:EVERY])) < 1e-5
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from zorse_lightning.glue.fast_recovery import KeptIndex, choose_step
+from zorse_lightning.glue import fast_recovery
+from zorse_lightning.glue.fast_recovery import KeptIndex, SurvivorKeeper, choose_step
 from zorse_lightning.testing.launch import free_port, torchrun_variables
 
 KILLED_AT = 3
@@ -29,7 +30,6 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from zorse_lightning.testing.plans import hand_plan
     from test_faults import CLUSTER
     from test_strategy_training import _gpt, _tokens
     from torch.utils.data import DataLoader
@@ -37,6 +37,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.engine.faults import FaultPolicy
     from zorse_lightning.glue.strategy import ZorseStrategy
+    from zorse_lightning.testing.plans import hand_plan
 
     torch.set_num_threads(1)
     os.environ.update(torchrun_variables(rank, world, port))
@@ -149,6 +150,39 @@ def test_newer_kept_state_missing_an_optimizer_shard_falls_back_to_the_checkpoin
     assert choose_step(whole[2:], 4, entries, trainable)[0] == 4  # kept state as old as the checkpoint
     assert choose_step([_kept(0, 1, ("a", "b"), ("a", "b"))], 2, entries, trainable) == (
         2, [], "no survivor kept a step newer than the checkpoint's (2)")
+
+
+def test_a_second_keep_returns_only_once_the_first_has_written(tmp_path, monkeypatch):
+    """The watchdog's thread and the main thread may both keep; the main thread returning while the watchdog's
+    daemon thread still writes would end the process mid-write and lose this rank's state."""
+    import threading
+
+    import torch
+
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    keeper = SurvivorKeeper()
+    keeper.snapshot(1, {"global_step": 1}, module, [optimizer])
+    writing, release = threading.Event(), threading.Event()
+    write = fast_recovery._write_atomically
+
+    def held_up(path, content, mode):
+        writing.set()
+        release.wait()
+        write(path, content, mode)
+
+    monkeypatch.setattr(fast_recovery, "_write_atomically", held_up)
+    watchdog = threading.Thread(target=keeper.keep, args=(tmp_path, 0, module, [optimizer]))
+    watchdog.start()
+    writing.wait()
+    threading.Timer(0.3, release.set).start()  # the main thread keeps while the watchdog's thread writes
+    assert keeper.keep(tmp_path, 0, module, [optimizer]) is None
+    assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == ["rank-0.json", "rank-0.pt"]
+    watchdog.join()
+    kept = torch.load(tmp_path / "step-1" / "rank-0.pt", weights_only=False)
+    assert kept["common"] == {"global_step": 1} and torch.equal(kept["state_dict"]["weight"], module.weight)
 
 
 if __name__ == "__main__":

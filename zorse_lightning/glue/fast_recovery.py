@@ -4,20 +4,24 @@ A checkpoint is taken every few steps; a lost rank costs every step since. But
 the survivors still hold their stages' parameters and optimizer shards of the
 last completed step. Each rank therefore snapshots, at the end of every
 optimizer step, the small part of Lightning's checkpoint (loops, callbacks,
-optimizer hyper-parameters, data position) and the in-place version counters of
-what it holds; when the watchdog declares a rank lost, the rank writes its held
-state to local disk (``<directory>/step-N/rank-R.pt`` and a small
-``rank-R.json`` index, each renamed into place) unless its tensors moved since
-the snapshot (the lost rank died inside an optimizer step: that state belongs
-to no completed step).
+optimizer hyper-parameters, data position: a few kilobytes, pickled, so that
+later changes do not reach it) and the in-place version counters of the tensors
+it holds, not the tensors: about 2 ms a step on 2 busy CPU cores (1 % of a
+190 ms step), no memory, no collective.
+When the watchdog declares a rank lost, the rank writes its held state to local
+disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json`` index, each
+renamed into place) unless its tensors moved since the snapshot (the lost rank
+died inside an optimizer step: that state belongs to no completed step).
 
 On ``fit(ckpt_path=...)`` (:func:`load`) the relaunch, on the cluster as it is
 now, takes the newest step whose kept state covers every entry of the model and
 every parameter the optimizers step; a step newer than the checkpoint must be
 covered by survivors alone, the checkpoint's own step may be completed by its
-shards (only those that hold a missing entry are read). Each rank keeps its own
-random generators (as on elastic resume): survivors' generators belong to the
-old rank layout.
+shards (only those that hold a missing entry are read). Survivors' files are
+memory-mapped, so a rank reads only the tensors it uses: the whole module (Lightning
+loads it before the model is cut) but only the optimizer state of the parameters
+it steps. Each rank keeps its own random generators (as on elastic resume):
+survivors' generators belong to the old rank layout.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import sys
+import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +42,20 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from zorse_lightning.engine.checkpoint_files import COMMON, read_file, read_manifest, shard_name
-from zorse_lightning.glue.checkpointing import (
-    NAMED_STATE_KEY, all_gather, held_module_state, held_optimizer_state, load as load_checkpoint, merged_state_dict,
+from zorse_lightning.engine.checkpoint_files import (
+    COMMON,
+    read_file,
+    read_manifest,
+    shard_name,
 )
+from zorse_lightning.glue.checkpointing import (
+    NAMED_STATE_KEY,
+    all_gather,
+    held_module_state,
+    held_optimizer_state,
+    merged_state_dict,
+)
+from zorse_lightning.glue.checkpointing import load as load_checkpoint
 
 SURVIVORS_DIR = ".survivors"
 FORMAT = "zorse-survivor"
@@ -78,11 +94,12 @@ class RecoveryReport:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Snapshot:
     step: int
-    common: dict[str, Any]
-    versions: dict[int, int] = field(default_factory=dict)
+    common: bytes
+    """Lightning's checkpoint of the step without its tensors, pickled."""
+    versions: dict[int, int]
 
 
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -112,23 +129,31 @@ class SurvivorKeeper:
     def __init__(self) -> None:
         self._snapshot: _Snapshot | None = None
         self._kept = False
+        self._keeping = threading.Lock()
 
     def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> None:
         """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors."""
-        self._snapshot = _Snapshot(step, copy.deepcopy(common), _versions(module, optimizers))
+        self._snapshot = _Snapshot(step, pickle.dumps(common, pickle.HIGHEST_PROTOCOL), _versions(module, optimizers))
 
     def keep(self, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
-        """Write this rank's state of the snapshot's step (once; from the main thread or the watchdog's)."""
-        snap = self._snapshot
-        if self._kept or snap is None:
-            return None
-        self._kept = True
+        """Write this rank's state of the snapshot's step, once, from the main thread or the watchdog's.
+
+        Both may call it when a rank is lost (the watchdog ends a rank stuck in a wait; the main thread,
+        unstuck by the lost connection, handles its error); the second waits until the first has written:
+        returning at once would let the process end, and the watchdog's daemon thread with it, mid-write."""
+        with self._keeping:
+            if self._kept or self._snapshot is None:
+                return None
+            self._kept = True
+            return self._write(self._snapshot, Path(directory), rank, module, optimizers)
+
+    def _write(self, snap: _Snapshot, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
         if _versions(module, optimizers) != snap.versions:
             print(f"zorse: rank {rank} was inside the optimizer step after step {snap.step}: it keeps nothing",
                   file=sys.stderr, flush=True)
             return None
         state = {
-            "format": FORMAT, "rank": rank, "step": snap.step, "common": snap.common,
+            "format": FORMAT, "rank": rank, "step": snap.step, "common": pickle.loads(snap.common),
             "state_dict": held_module_state(module),
             "optimizers": [held_optimizer_state(o, module) for o in optimizers],
         }
@@ -140,7 +165,7 @@ class SurvivorKeeper:
             tuple(tuple(sorted(names[id(p)] for g in o.param_groups for p in g["params"])) for o in optimizers),
             path="",
         )
-        target = Path(directory) / f"step-{snap.step}"
+        target = directory / f"step-{snap.step}"
         try:
             target.mkdir(parents=True, exist_ok=True)
             _write_atomically(target / f"rank-{rank}.pt", lambda h: torch.save(state, h), "wb")
@@ -181,7 +206,7 @@ def choose_step(
         missing = (entries - {e for k in at for e in k.entries}) | (trainable - _stepped(at))
         if not missing:
             return step, at, f"the survivors kept every entry of step {step}"
-        gaps = gaps or f"the survivors kept step {step}, but {len(missing)} entries (e.g. {sorted(missing)[0]}) "
+        gaps = gaps or f"the survivors kept step {step}, but {len(missing)} entries (e.g. {min(missing)}) "
     at = [k for k in kept if k.step == checkpoint_step]
     return checkpoint_step, at, (
         f"{gaps}are only in the checkpoint of step {checkpoint_step}: resuming from step {checkpoint_step}"
@@ -198,7 +223,8 @@ def _read_kept(chosen: list[KeptIndex], seen: set[str], rank: int) -> dict[str, 
     (survivors keep their state on their own machine's disk)."""
     everywhere = [set(s) for s in all_gather(sorted(seen))]
     unseen = {k.path for k in chosen if any(k.path not in s for s in everywhere)}
-    kept = {k.path: torch.load(k.path, map_location="cpu", weights_only=False) for k in chosen if k.path in seen}
+    kept = {k.path: torch.load(k.path, map_location="cpu", weights_only=False, mmap=True)
+            for k in chosen if k.path in seen}
     if unseen:
         provider = {path: min(r for r, s in enumerate(everywhere) if path in s) for path in unseen}
         for sent in all_gather({p: kept[p] for p in unseen if provider[p] == rank}):

@@ -36,9 +36,11 @@ def start_watchdog(environment: Any, plan: Plan, inventory: ClusterInventory | N
     token = all_gather(uuid.uuid4().hex if rank == 0 else None)[0]
 
     def exit_process(message: str) -> None:
-        if on_lost is not None:
-            on_lost()
-        _exit_with(message)
+        try:
+            if on_lost is not None:
+                on_lost()
+        finally:  # the stuck rank must end even if keeping its state failed, or it would hang
+            _exit_with(message)
 
     watchdog = Watchdog.connect(
         environment.main_address, environment.main_port, token, rank=rank, world_size=plan.world_size,
