@@ -9,11 +9,10 @@ what differs is the engine: the plan-driven sampler, the microbatch loop, log
 capture and replay, gradient synchronisation after the backward (DDP overlaps
 its bucketed all-reduce with the backward), the optimizer step.
 
-The zorse plan is the planner's, made at start-up from its profile, with
-pipelining off and the microbatch pinned to DDP's per-rank batch
-(``PlannerOptions(allow_pipeline=False, microbatch_size=...)``): one
-microbatch per rank per step, exactly DDP's work, so that the ratio measures
-overhead and not a choice of microbatch size.
+The zorse plan is one stage of both ranks, one microbatch of DDP's per-rank
+batch each, training state unsharded: exactly DDP's work, so that the ratio
+measures the engine and not a choice of the planner (which may shard the
+optimizer state, trading an all-gather of the weights for a shorter step).
 
 Each run calibrates its emulated compute anew at its first step, on cores
 other work shares: runs differ in absolute speed by whatever contention that
@@ -46,12 +45,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
+from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.emulation import ComputeEmulator
 from zorse_lightning.glue.emulation_callback import EmulateCluster
 from zorse_lightning.glue.strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.planner.search import PlannerOptions
 from zorse_lightning.testing.launch import free_port
+from zorse_lightning.testing.plans import hand_plan
 from zorse_lightning.testing.timing import StepTimer
 
 WORLD_SIZE = 2
@@ -104,14 +104,12 @@ def _worker(rank: int, port: int, config: BenchConfig, out_dir: str) -> None:
         TORCHELASTIC_RUN_ID="bench", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
         LOCAL_WORLD_SIZE=str(WORLD_SIZE), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    options = PlannerOptions(allow_pipeline=False, microbatch_size=config.per_rank_batch,
-                             no_pipeline_reason="bench/overhead.py compares data parallel engines")
+    plan = hand_plan([((0, 1), (1, 1), (0, config.layers))], microbatch_size=config.per_rank_batch,
+                     inventory=load_cluster(CLUSTER))
     runs: dict[str, list[dict]] = {"zorse": [], "ddp": []}
-    plan = None
     for _ in range(config.repeats):
-        zorse = ZorseStrategy(cluster=CLUSTER, planner_options=options)
+        zorse = ZorseStrategy(cluster=CLUSTER, plan=plan)
         runs["zorse"].append(_fit(zorse, lambda: zorse.emulation.emulator, [], config, out_dir))
-        plan = zorse.plan
         emulate = EmulateCluster(CLUSTER)
         runs["ddp"].append(_fit("ddp", lambda: emulate.emulator, [emulate], config, out_dir))
     if rank == 0:

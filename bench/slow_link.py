@@ -16,8 +16,9 @@ one process group:
 - plan: ``ZorseStrategy(cluster=...)``, which profiles the blocks at start-up
   (each type through its emulation) and runs the planner's choice;
 - dp: ``ZorseStrategy(cluster=..., plan=dp)``, the planner's best *data
-  parallel* plan (``PlannerOptions(allow_pipeline=False)``, same start-up
-  profile, microbatch sizes within the profiled ones as the strategy's own): every rank holds the whole model, microbatches split by speed, the
+  parallel* plan over every rank (``PlannerOptions(allow_pipeline=False,
+  allow_idle_ranks=False)``, same start-up profile, microbatch sizes within the
+  profiled ones as the strategy's own), so its synchronisation crosses the link: every rank holds the whole model, microbatches split by speed, the
   gradients synchronised over the slow link. This is ZorseStrategy's data
   parallelism, not ``strategy="ddp"`` (which would also need equal batches on
   unequal ranks); ``bench/overhead.py`` compares the two engines.
@@ -133,7 +134,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     dp = None
     if environment.global_rank() == 0:
         dp = make_plan(inventory, planned.start_up_profile, config.global_batch, within_profiled_sizes(PlannerOptions(
-            solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False,
+            solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False, allow_idle_ranks=False,
             no_pipeline_reason="the data-parallel baseline of bench/slow_link.py",
         )))
     box = [dp]
