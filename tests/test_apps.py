@@ -71,4 +71,4 @@ def test_plan_app_profiles_a_lightning_module_config(run_app, tmp_path: Path):
     for stage in plan["stages"]:
         for rank, count in zip(stage["ranks"], stage["microbatches_per_rank"]):
             shares[rank] = shares.get(rank, 0) + count * (stage["layers"][1] - stage["layers"][0])
-    assert shares[0] > shares[2] and shares[0] > shares[3]
+    assert shares[0] > shares.get(2, 0) and shares[0] > shares.get(3, 0)  # a T4 may be left idle: no share
