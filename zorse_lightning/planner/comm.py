@@ -6,7 +6,7 @@ What overlaps and what does not (the pipeline formula in :mod:`.compute` uses th
   steady state they overlap compute, so a boundary only limits the iteration when
   its busiest link needs longer than the busiest stage; during fill and drain
   each boundary adds one transfer each way to the critical path;
-* gradient synchronisation of a stage (ring all-reduce, then an all-gather of
+* gradient synchronisation of a stage (ring all-reduce, then an all-reduce of
   the updated parameters when the optimizer state is sharded) runs
   after the stage's last backward and is *not* overlapped (conservative: the
   drain of earlier stages would hide part of it).
@@ -141,30 +141,20 @@ class LinkTable:
         return self._cache[key]
 
 
-def ring_sync_ms(
-    gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharded: bool,
-    largest_shard_fraction: float | None = None,
-) -> float:
+def ring_sync_ms(gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharded: bool) -> float:
     """Gradient synchronisation of one stage after its last backward.
 
     Unsharded: all-reduce of the gradients. Optimizer state sharded (ZeRO-1) as
     the engine runs it (:mod:`zorse_lightning.engine.sharding`): the same
-    all-reduce (global-norm clipping needs every gradient reduced), then one
-    all-gather of the updated weights, each rank's shard padded to the largest
-    (``largest_shard_fraction`` of the weights; an even split when None), at
+    all-reduce (global-norm clipping needs every gradient reduced), then an
+    all-reduce of the updated weights (each owner's shard, zeros elsewhere), at
     the gradients' bytes per weight.
     """
     all_reduce = ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us)
-    if not sharded or num_ranks < 2:
-        return all_reduce
-    largest = largest_shard_fraction if largest_shard_fraction is not None else 1.0 / num_ranks
-    return all_reduce + ring_all_gather_ms(gradient_bytes * largest * num_ranks, num_ranks, bandwidth_gbps, latency_us)
+    return 2 * all_reduce if sharded and num_ranks > 1 else all_reduce
 
 
-def stage_sync_ms(
-    links: LinkTable, ranks: tuple[int, ...], gradient_bytes: float, sharded: bool,
-    largest_shard_fraction: float | None = None,
-) -> float:
+def stage_sync_ms(links: LinkTable, ranks: tuple[int, ...], gradient_bytes: float, sharded: bool) -> float:
     """:func:`ring_sync_ms` over the ring through the stage's ranks in rank order."""
     bandwidth_gbps, latency_us = links.ring(ranks)
-    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded, largest_shard_fraction)
+    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded)

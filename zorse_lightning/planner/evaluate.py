@@ -183,9 +183,7 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     counts = list(stage.microbatches_per_rank)
     parameters = stage_parameters(profile, stage.layers, first=first, last=last)
     gradient_bytes = parameters * state_bytes_per_parameter(profile.dtype).gradients
-    sharded = stage.sharding is not Sharding.NONE
-    largest = max(stage.effective_shard_fractions()) if sharded else None
-    sync = stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, sharded, largest)
+    sync = stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, stage.sharding is not Sharding.NONE)
     return StageCost(
         times=times,
         busy_ms=stage_busy_ms(totals, counts),

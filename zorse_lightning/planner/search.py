@@ -303,9 +303,9 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
     (fewer collectives to get wrong); None when it does not fit even sharded.
 
     Unsharding lengthens the stage's own optimizer step (each GPU then steps all
-    of the stage's parameters) and drops the all-gather of updated weights, so it
-    costs nothing while the stage's synchronisation (priced here with the
-    all-gather: an upper bound) and step stay within the longest of the plan's.
+    of the stage's parameters) and drops the all-reduce of updated weights, so it
+    costs nothing while the stage's synchronisation (priced here with that
+    all-reduce: an upper bound) and step stay within the longest of the plan's.
     """
     cost = plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
