@@ -110,7 +110,8 @@ def test_planned_on_emulated_ranks_gives_the_faster_rank_more_and_matches_single
         planned = result["planned"]
         assert planned["param_diff"] < 1e-5, (rank, planned)
         assert planned["loss_diff"] < 1e-5, (rank, planned)
-        assert planned["calls"] > 0  # the rank was emulated while it trained
+        stages = planned["stages"]
+        assert planned["calls"] > 0 or _work(stages, rank) == 0  # emulated while it trained (unless left idle)
         assert "precision 32-true: CPU ranks (emulated GPUs model speed, not numerics)" in planned["notes"]
     # cpu_sim2: A100 (312 TFLOPS) at slowdown 3, V100 (125) at 3 x 312 / 125.
     assert [r["planned"]["gpu_type"] for r in results] == ["a100x40", "v100x16"]
