@@ -27,6 +27,7 @@ from zorse_lightning.engine.emulation import (
 )
 from zorse_lightning.engine.microbatch import microbatch_slice
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
+from zorse_lightning.profiling.measure import synchronize
 from zorse_lightning.profiling.profile import BlockTimes, TimeCurve
 
 BACKWARD_OVER_FORWARD = 2.0
@@ -45,10 +46,6 @@ class StepEdges:
 
     embedding: BlockTimes
     head: BlockTimes
-
-
-def _synchronize(device: torch.device) -> None:
-    getattr(torch, device.type).synchronize()
 
 
 def _curve(forward_ms: list[float]) -> tuple[TimeCurve, TimeCurve]:
@@ -71,7 +68,7 @@ def measure_step_edges(
 
     def mark(name: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            _synchronize(device)
+            synchronize(device)
             marks[name] = time.perf_counter()
         return hook
 
@@ -85,11 +82,11 @@ def measure_step_edges(
             micro = microbatch_slice(batch, 0, size)
             runs = []
             for run in range(warmup + repeats):
-                _synchronize(device)
+                synchronize(device)
                 start = time.perf_counter()
                 with torch.no_grad():
                     step(micro)
-                _synchronize(device)
+                synchronize(device)
                 end = time.perf_counter()
                 if run >= warmup:
                     runs.append(((marks["first"] - start) * 1e3, (end - marks["last"]) * 1e3))
@@ -113,10 +110,10 @@ def measure_optimizer_ms_per_million_parameters(device: torch.device, warmup: in
     optimizer = torch.optim.AdamW([weight])
     runs = []
     for run in range(warmup + repeats):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         optimizer.step()
-        _synchronize(device)
+        synchronize(device)
         if run >= warmup:
             runs.append((time.perf_counter() - start) * 1e3)
     return statistics.median(runs) * 1e6 / OPTIMIZER_PROBE_PARAMETERS

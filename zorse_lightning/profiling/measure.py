@@ -86,7 +86,8 @@ def model_signature(blocks: Sequence[Any], before: Any = None, after: Any = None
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock reads the device's time."""
     import torch
 
     getattr(torch, device.type).synchronize()
@@ -111,14 +112,14 @@ def _time_one(module: Any, x: torch.Tensor, name: str, options: MeasureOptions, 
     forward_ms, backward_ms = [], []
     for run in range(options.warmup + options.repeats):
         inp = x.detach().requires_grad_(x.is_floating_point())
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         out = _first_tensor(module(inp), name, module)
-        _synchronize(device)
+        synchronize(device)
         middle = time.perf_counter()
         if out.requires_grad:
             out.backward(torch.ones_like(out))
-        _synchronize(device)
+        synchronize(device)
         end = time.perf_counter()
         if run >= options.warmup:
             forward_ms.append((middle - start) * 1e3)
