@@ -15,18 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from zorse_lightning.testing.plans import hand_plan
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.testing.launch import spawn_ranks
+from zorse_lightning.testing.plans import hand_plan
 
 WORLD = 4
 STEPS = 3
 MICROBATCH = 2
 SEQ, VOCAB = 8, 64
+BUCKET_BYTES = 16 * 1024
+"""Several gradient buckets per stage of the small test model, so that overlapped reduction is exercised."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Case:
     clip: float | None = None
     accumulate: int = 1
     recompute: bool = False
+    reduce_in_backward: bool = True
+    """Start the stage's gradient all-reduce during the last backward (the last accumulation run)."""
 
 
 CASES = [
@@ -58,6 +62,7 @@ CASES = [
         sharding=Sharding.OPTIMIZER,
         fractions={1: (0.7, 0.3)},
         recompute=True,
+        reduce_in_backward=False,
     ),
 ]
 
@@ -111,20 +116,24 @@ def _run_case(rank: int, case: Case) -> dict:
         torch.nn.init.zeros_(model.pos_emb.weight)  # differs on purpose: broadcast_module must fix it
     broadcast_module(model)
     groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
-    engine = PipelineEngine(model, groups, torch.device("cpu"))
+    engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES)
     share = groups.stage.microbatch_ranges()[rank]
     rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
-    local = lambda batch: (batch[0][rows], batch[1][rows])  # noqa: E731
-    step_fn = lambda micro, j: model._loss(micro)  # noqa: E731
+    local = lambda batch: (batch[0][rows], batch[1][rows])
+    step_fn = lambda micro, j: model._loss(micro)
     engine.prepare(local(batches[0]), step_fn)
     optimizer = _optimizer(model)
     engine.setup_optimizer(optimizer)
-    losses = []
+    losses, started_in_backward = [], []
     for step in range(STEPS):
         total = 0.0
-        for batch in batches[step * case.accumulate : (step + 1) * case.accumulate]:
-            total += engine.run(local(batch), step_fn, loss_scale=1 / case.accumulate).item() / case.accumulate
+        runs = batches[step * case.accumulate : (step + 1) * case.accumulate]
+        for index, batch in enumerate(runs):
+            final = case.reduce_in_backward and index == len(runs) - 1
+            loss = engine.run(local(batch), step_fn, loss_scale=1 / case.accumulate, reduce_in_backward=final)
+            total += loss.item() / case.accumulate
         losses.append(total)
+        started_in_backward.append(engine.reduction.started)
         engine.reduce_gradients()
         if case.clip:
             engine.clip_grad_norm_(case.clip)
@@ -139,6 +148,8 @@ def _run_case(rank: int, case: Case) -> dict:
         "held": sorted(held),
         "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
         "optimizer_state_tensors": len(optimizer.state),
+        "buckets": len(engine.reduction.buckets),
+        "started_in_backward": started_in_backward,
     }
 
 
@@ -162,6 +173,16 @@ def test_parameters_and_losses_match_single_process(results, case):
     for rank, per_rank in enumerate(results):
         assert per_rank[case]["max_param_diff"] < 1e-5, (rank, per_rank[case])
         assert per_rank[case]["loss_diff"] < 1e-5, (rank, per_rank[case])
+
+
+def test_reduction_starts_during_the_last_backward(results):
+    """Every bucket's all-reduce was under way before reduce_gradients where asked, none where not."""
+    for case in CASES:
+        for rank, per_rank in enumerate(results):
+            run = per_rank[case.name]
+            assert run["buckets"] >= 2, (case.name, rank, run["buckets"])
+            expected = run["buckets"] if case.reduce_in_backward else 0
+            assert run["started_in_backward"] == [expected] * STEPS, (case.name, rank, run)
 
 
 def test_weights_live_only_on_their_stage(results):

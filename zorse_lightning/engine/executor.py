@@ -62,8 +62,16 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
 class PipelineEngine:
     """One rank's executor of a plan: cut the module, then run steps."""
 
-    def __init__(self, module: nn.Module, groups: StageGroups, device: torch.device, block_path: str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: StageGroups,
+        device: torch.device,
+        block_path: str | None = None,
+        gradient_bucket_bytes: int = gradients.BUCKET_BYTES,
+    ):
         self.module = module
+        self.gradient_bucket_bytes = gradient_bucket_bytes
         self.groups = groups
         self.plan = groups.plan
         self.device = device
@@ -73,6 +81,7 @@ class PipelineEngine:
         self.transport = Transport(device)
         self.cut: StageCut | None = None
         self.shards: OptimizerShards | None = None
+        self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
         self._prepared = False
 
@@ -108,6 +117,9 @@ class PipelineEngine:
             self._holders = {id(p): everyone for p in self.module.parameters()}
         if not self.groups.is_idle and self.groups.stage.sharding is not Sharding.NONE:
             self.shards = OptimizerShards(self.local_parameters(), self.groups)
+        self.reduction = gradients.OverlappedReduction(
+            self._local_with_holders(), self.groups, self.gradient_bucket_bytes
+        )
         self._prepared = True
 
     def _agreed_analysis(self, blocks: BlockList, batch: Any, step_fn: StepFn) -> CutAnalysis:
@@ -141,14 +153,20 @@ class PipelineEngine:
 
     # -- one step -----------------------------------------------------------------------
 
-    def run(self, batch: Any, step_fn: StepFn, loss_scale: float = 1.0) -> torch.Tensor:
+    def run(
+        self, batch: Any, step_fn: StepFn, loss_scale: float = 1.0, reduce_in_backward: bool = False
+    ) -> torch.Tensor:
         """Forward and backward of every scheduled microbatch; returns the global mean loss on every rank.
 
         Gradients accumulate into ``.grad`` (local, not yet reduced: call
         :meth:`reduce_gradients` before the optimizer step). ``loss_scale``
         multiplies the backward (for example ``1 / accumulate_grad_batches``).
+        ``reduce_in_backward``: this run's gradients are the step's final ones
+        (the last run before :meth:`reduce_gradients`, which nothing adds to
+        before it), so their reduction over the stage starts during the rank's
+        last backward and overlaps it.
         """
-        return self._execute(batch, step_fn, loss_scale, train=True)
+        return self._execute(batch, step_fn, loss_scale, train=True, reduce_in_backward=reduce_in_backward)
 
     @torch.no_grad()
     def evaluate(self, batch: Any, step_fn: StepFn) -> dict[int, Any]:
@@ -157,15 +175,17 @@ class PipelineEngine:
         self._execute(batch, step_fn, 0.0, train=False, outputs=outputs)
         return outputs
 
-    def _execute(self, batch, step_fn, loss_scale, train, outputs=None) -> torch.Tensor:
+    def _execute(self, batch, step_fn, loss_scale, train, outputs=None, reduce_in_backward=False) -> torch.Tensor:
         if not self.prepared:
             raise RuntimeError("call PipelineEngine.prepare(batch, step_fn) once before the first step")
         share = self._my_share()
         weight = self.plan.microbatch_size / self.plan.global_batch_size
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.device)
-        schedule = self.schedule if train else self.forward_schedule
-        for action in schedule.for_rank(self.groups.rank):
+        program = (self.schedule if train else self.forward_schedule).for_rank(self.groups.rank)
+        backwards = [i for i, action in enumerate(program) if action.kind is ActionKind.BACKWARD]
+        arm_at = backwards[-1] if reduce_in_backward and backwards else None
+        for i, action in enumerate(program):
             j = action.microbatch
             if action.kind is ActionKind.FORWARD:
                 micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
@@ -180,6 +200,8 @@ class PipelineEngine:
                 if train:
                     saved[j] = (received, output)
             else:
+                if i == arm_at:
+                    self.reduction.arm()
                 self._backward(j, *saved.pop(j))
         self.transport.wait_sends()
         dist.all_reduce(loss_sum)
@@ -219,7 +241,8 @@ class PipelineEngine:
     # -- between backward and optimizer step --------------------------------------------
 
     def reduce_gradients(self) -> None:
-        gradients.reduce_gradients(self._local_with_holders(), self.groups)
+        """Sum the gradients over the ranks holding each weight (finishing what ``reduce_in_backward`` started)."""
+        self.reduction.finish()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm)

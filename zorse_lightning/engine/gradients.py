@@ -5,11 +5,18 @@ Each microbatch's loss (a mean over its samples) is scaled by
 gradients over all ranks that hold a weight gives the global-batch mean. The
 sum runs over the group of the stages that hold the weight: a stage's own
 group for its blocks, first and last stage for a tied embedding.
+
+The sum over a stage's own group can start before the backward ends
+(:class:`OverlappedReduction`), as DDP's does: during the rank's last backward
+of the step, each bucket of gradients is all-reduced asynchronously as soon as
+every gradient in it is final, so the reduction of the last layers runs while
+the first ones still compute.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,22 +30,118 @@ def _sorted_sets(sets) -> list[frozenset[int]]:
     return sorted(sets, key=lambda s: (len(s), sorted(s)))
 
 
-def reduce_gradients(params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups) -> None:
-    """Sum each local parameter's gradient over the ranks of the stages holding it (in place)."""
+BUCKET_BYTES = 4 * 1024 * 1024
+"""Gradient bytes per asynchronous all-reduce: small enough that the reduction of the last layers
+overlaps the backward of the first ones, large enough that per-call latency stays small."""
+
+
+def _flat_gradients(bucket: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The bucket's gradients in one tensor (zeros for a parameter that got none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+
+
+def _unflatten_into_gradients(flat: torch.Tensor, bucket: Sequence[nn.Parameter]) -> None:
+    offset = 0
+    for param in bucket:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
+        offset += param.numel()
+
+
+def _by_holders(params: list[tuple[nn.Parameter, frozenset[int]]]) -> dict[frozenset[int], list[nn.Parameter]]:
     by_holders: dict[frozenset[int], list[nn.Parameter]] = defaultdict(list)
     for param, holders in params:
         by_holders[holders].append(param)
-    for holders in _sorted_sets(by_holders):
-        bucket = by_holders[holders]
-        for param in bucket:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat, group=groups.group_for_stages(holders))
-        offset = 0
-        for param in bucket:
-            param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
+    return by_holders
+
+
+class OverlappedReduction:
+    """Sums each local parameter's gradient over the ranks of the stages holding it, in place; the
+    stage-group part may start during the last backward.
+
+    Gradients only the rank's own stage holds are cut into buckets of about
+    :data:`BUCKET_BYTES`, last parameters first (the order backward produces
+    them). :meth:`arm` is called before the rank's last backward of the step:
+    from then on a hook marks each parameter whose gradient has accumulated, and
+    each bucket whose gradients are all final is all-reduced asynchronously, in
+    bucket order only (every rank of the stage issues the same collectives in
+    the same order, whatever order its hooks fire in). :meth:`finish` starts the
+    buckets not started yet (a parameter that got no gradient in the last
+    backward, a rank with no microbatch), waits for all of them, writes the sums
+    into ``.grad``, then reduces the weights shared with other stages (one
+    all-reduce per set of stages, in one order on every rank). Without
+    :meth:`arm`, :meth:`finish` alone is the plain reduction after backward.
+    """
+
+    def __init__(
+        self, params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, bucket_bytes: int = BUCKET_BYTES
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r} must be positive (default {BUCKET_BYTES})")
+        self.groups = groups
+        by_holders = _by_holders(params)
+        own = frozenset({groups.stage_index})
+        self.shared = [(holders, by_holders[holders]) for holders in _sorted_sets(by_holders) if holders != own]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes
+        for param in reversed(by_holders.get(own, [])):
+            if size + param.numel() * param.element_size() > bucket_bytes and size > 0:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(param)
+            size += param.numel() * param.element_size()
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._waiting: list[int] = []
+        self._handles: list = []
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    @property
+    def started(self) -> int:
+        """Buckets whose all-reduce has started this step."""
+        return len(self._in_flight)
+
+    def arm(self) -> None:
+        """From now on, a parameter's next accumulated gradient is its final one for this step."""
+        self._disarm()
+        for work, _ in self._in_flight:  # a step that never reached finish(): its sums are dropped
+            work.wait()
+        self._in_flight = []
+        self._waiting = [len(bucket) for bucket in self.buckets]
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b]
+        self._start_ready()
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        self._waiting[self._bucket_of[id(param)]] -= 1
+        self._start_ready()
+
+    def _start_ready(self) -> None:
+        while self.started < len(self.buckets) and self._waiting[self.started] <= 0:
+            self._start(self.started)
+
+    def _start(self, index: int) -> None:
+        flat = _flat_gradients(self.buckets[index])
+        work = dist.all_reduce(flat, group=self.groups.stage_group, async_op=True)
+        self._in_flight.append((work, flat))
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def finish(self) -> None:
+        """Complete this step's reduction (whether or not :meth:`arm` was called); ready for the next step."""
+        self._disarm()
+        while self.started < len(self.buckets):
+            self._start(self.started)
+        for (work, flat), bucket in zip(self._in_flight, self.buckets):
+            work.wait()
+            _unflatten_into_gradients(flat, bucket)
+        self._in_flight = []
+        for holders, params in self.shared:
+            flat = _flat_gradients(params)
+            dist.all_reduce(flat, group=self.groups.group_for_stages(holders))
+            _unflatten_into_gradients(flat, params)
 
 
 def clip_global_norm_(

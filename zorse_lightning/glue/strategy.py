@@ -267,10 +267,15 @@ class ZorseStrategy(ProcessStrategy):
                 output = self._manual.training_step(batch, batch_idx, *rest)
             self._step_done(batch_idx)
             return output
-        scale = self.precision_plugin.loss_scale_value / self.lightning_module.trainer.accumulate_grad_batches
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        scale = self.precision_plugin.loss_scale_value / accumulate
         earlier = self._set_gradients_aside()
+        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then.
+        overlap = accumulate == 1
         with self.precision_plugin.train_step_context():
-            loss = self._captured(lambda step: self.engine.run(batch, step, scale), "training_step", batch_idx, *rest)
+            loss = self._captured(
+                lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
+            )
         self._step_done(batch_idx)
         self._stashed = self._set_gradients_aside()
         for param, grad in earlier:
