@@ -3,7 +3,8 @@
 Ranks run different numbers of microbatches, and non-last stages stop before
 the loss, so a collective per ``self.log(..., sync_dist=True)`` call would hang.
 During the schedule, ``module.log`` only records values; afterwards one gather
-per step merges every rank's records, and each rank logs the same value:
+per step merges every rank's records (a small tensor gather while the names stay
+the same, see :class:`LogMerger`), and each rank logs the same value:
 the mean over the samples of the microbatches that logged it (``reduce_fx="sum"``:
 the sum).
 """
@@ -53,14 +54,106 @@ class LogCapture:
         record = self.records.setdefault(name, LoggedValue(kwargs={k: v for k, v in kwargs.items()}))
         record.merge(LoggedValue(number * weight, self.samples_per_call))
 
-    def merged_over_ranks(self) -> dict[str, LoggedValue]:
-        """Every rank's records merged (one collective); identical on every rank."""
-        gathered: list[dict[str, LoggedValue] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.records)
+    def merged_over_ranks(self, merger: LogMerger | None = None) -> dict[str, LoggedValue]:
+        """Every rank's records merged; identical on every rank. Without ``merger``: one object gather.
+        With the owner's ``merger``: usually one small tensor gather (see :class:`LogMerger`)."""
+        if merger is None:
+            return _gathered(self.records)
+        return merger.merge(self.records)
+
+
+def _gathered(records: dict[str, LoggedValue]) -> dict[str, LoggedValue]:
+    """Every rank's records merged in rank order: names by first appearance, options of the first rank
+    that logged the name (pickles every record: the slow path)."""
+    gathered: list[dict[str, LoggedValue] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    merged: dict[str, LoggedValue] = {}
+    for rank_records in gathered:
+        for name, record in (rank_records or {}).items():
+            merged.setdefault(name, LoggedValue(kwargs=record.kwargs)).merge(record)
+    return merged
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What one object gather taught: this rank's names and options in logging order, the merged
+    names and options, and where each of this rank's names sits among the merged ones."""
+
+    own: tuple[tuple[str, dict[str, Any]], ...]
+    merged: tuple[tuple[str, dict[str, Any]], ...]
+    slots: tuple[int, ...]
+
+    @classmethod
+    def learned(cls, records: dict[str, LoggedValue], merged: dict[str, LoggedValue]) -> _Layout:
+        order = {name: index for index, name in enumerate(merged)}
+        return cls(
+            own=tuple((name, dict(record.kwargs)) for name, record in records.items()),
+            merged=tuple((name, dict(record.kwargs)) for name, record in merged.items()),
+            slots=tuple(order[name] for name in records),
+        )
+
+    def fits(self, records: dict[str, LoggedValue]) -> bool:
+        """The same names, in the same order, with the same options as when learned."""
+        return len(records) == len(self.own) and all(
+            name == own_name and record.kwargs == own_kwargs
+            for (name, record), (own_name, own_kwargs) in zip(records.items(), self.own)
+        )
+
+    def row(self, records: dict[str, LoggedValue]) -> list[float]:
+        """[changed, total_0, samples_0, total_1, samples_1, ...] over the merged names; zeros where
+        this rank logged nothing (its changed records are not sent: every rank then gathers objects)."""
+        row = [0.0] * (1 + 2 * len(self.merged))
+        if not self.fits(records):
+            row[0] = 1.0
+            return row
+        for slot, record in zip(self.slots, records.values()):
+            row[1 + 2 * slot] = record.total
+            row[2 + 2 * slot] = float(record.samples)
+        return row
+
+
+@dataclass
+class LogMerger:
+    """Merges each step's records over ranks with one small tensor gather while names stay the same.
+
+    Ranks log the same names with the same options step after step, so an object gather (pickling
+    every record, two collectives) per step mostly re-sends what every rank already knows. The
+    first merge, and any merge where some rank's names or options differ from the last object
+    gather's, gather objects and learn the layout; the others gather one float64 row per rank
+    (a changed flag, then total and samples per merged name) and sum it in rank order, which gives
+    bit for bit the object gather's result. Every rank sees every flag, so all ranks take the same
+    path. A step's ``LogCapture`` is new each step: the owner (the strategy) keeps one merger per
+    hook for the run, and a new one when the process groups are rebuilt, on every rank alike.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the row is gathered: the rank's GPU under NCCL, the CPU under gloo."""
+    object_gathers: int = 0
+    """Merges that gathered objects: the first, and each where some rank's names or options changed."""
+    _layout: _Layout | None = field(default=None, repr=False)
+
+    def merge(self, records: dict[str, LoggedValue]) -> dict[str, LoggedValue]:
+        """Every rank's ``records`` merged, as :meth:`LogCapture.merged_over_ranks` without a merger."""
+        merged = None if self._layout is None else self._from_rows(records, self._layout)
+        if merged is None:
+            self.object_gathers += 1
+            merged = _gathered(records)
+            self._layout = _Layout.learned(records, merged)
+        return merged
+
+    def _from_rows(self, records: dict[str, LoggedValue], layout: _Layout) -> dict[str, LoggedValue] | None:
+        """The merged records from every rank's row; None (on every rank) when some rank's names changed."""
+        row = torch.tensor(layout.row(records), dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        table = torch.stack(rows).cpu().tolist()
+        if any(rank_row[0] for rank_row in table):
+            return None
         merged: dict[str, LoggedValue] = {}
-        for records in gathered:
-            for name, record in (records or {}).items():
-                merged.setdefault(name, LoggedValue(kwargs=record.kwargs)).merge(record)
+        for slot, (name, kwargs) in enumerate(layout.merged):
+            record = merged[name] = LoggedValue(kwargs=dict(kwargs))
+            for rank_row in table:
+                record.merge(LoggedValue(rank_row[1 + 2 * slot], int(rank_row[2 + 2 * slot])))
         return merged
 
 

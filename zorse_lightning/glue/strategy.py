@@ -34,7 +34,7 @@ from zorse_lightning.glue import checkpointing, fast_recovery
 from zorse_lightning.glue.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
 from zorse_lightning.glue.environment import HeterogeneousEnvironment
 from zorse_lightning.glue.processes import ProcessStrategy
-from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
+from zorse_lightning.glue.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.glue.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.glue.planning import check_plan_against, resolve_plan
 from zorse_lightning.glue.recovery import start_watchdog
@@ -113,6 +113,8 @@ class ZorseStrategy(ProcessStrategy):
         self._checkpoint_global_batch_size: int | None = None
         """The resumed checkpoint's global batch size: a plan made at start keeps it (glue/planning.py)."""
         self._clip_patched = False
+        self._log_mergers: dict[str, LogMerger] = {}
+        """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._training_prepared = False
         self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
@@ -197,6 +199,7 @@ class ZorseStrategy(ProcessStrategy):
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
         self._plan = plan
         groups = build_groups(plan, self.global_rank, self._timeout)
+        self._log_mergers = {}
         self._watchdog = start_watchdog(
             self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
         )
@@ -255,7 +258,8 @@ class ZorseStrategy(ProcessStrategy):
         capture = LogCapture(self.plan.microbatch_size)
         with capturing_logs(self.lightning_module, capture):
             result = run(self._microbatch_step(hook, batch_idx, *rest))
-        replay(self.lightning_module, capture.merged_over_ranks(), self.plan.global_batch_size)
+        merger = self._log_mergers.setdefault(hook, LogMerger(self.root_device))
+        replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
         return result
 
     @override
