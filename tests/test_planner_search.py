@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -217,3 +218,19 @@ def test_sharding_when_state_does_not_fit_unsharded_with_shares_by_free_memory()
     fill = [m.sharded_bytes / (ctx.capacity_bytes(r) - (m.total_bytes - m.sharded_bytes)) for r, m in zip(stage.ranks, memory)]
     assert max(fill) == pytest.approx(min(fill))
     assert len(set(stage.shard_fractions)) > 1
+
+
+def test_unsharded_where_state_fits_and_the_weight_exchange_costs_more_than_it_saves() -> None:
+    """Sharding adds an all-reduce of the updated weights; where every GPU holds the whole state, the
+    search drops it when the longer optimizer step costs less (here: data parallel over 8 fast GPUs)."""
+    inventory = load_cluster("a100x4_v100x4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=512, vocab=8000)
+    options = PlannerOptions(allow_pipeline=False, allow_idle_ranks=False)
+    plan = make_plan(inventory, profile, GLOBAL_BATCH, options)
+    (stage,) = plan.stages
+    assert stage.sharding is Sharding.NONE
+    ctx = CostContext.build(inventory, profile)
+    sharded = plan_cost(ctx, replace(plan, stages=(replace(stage, sharding=Sharding.OPTIMIZER),)))
+    unsharded = plan_cost(ctx, plan)
+    assert sharded.stages[0].sync_ms == pytest.approx(2 * unsharded.stages[0].sync_ms)  # the exchange
+    assert unsharded.iteration_ms < sharded.iteration_ms

@@ -36,8 +36,8 @@ from zorse_lightning.planner.evaluate import (
     memory_overruns,
     plan_cost,
     prediction,
+    stage_cost,
     stage_memory,
-    stage_update_ms,
     update_lower_bound_ms,
 )
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
@@ -302,22 +302,27 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
     """The plan, priced, with its stages unsharded where they fit and that is no slower
     (fewer collectives to get wrong); None when it does not fit even sharded.
 
-    Unsharding lengthens the stage's own optimizer step (each GPU then steps all
-    of the stage's parameters) and drops the all-reduce of updated weights, so it
-    costs nothing while the stage's synchronisation (priced here with that
-    all-reduce: an upper bound) and step stay within the longest of the plan's.
+    Unsharding a stage changes only what it does after its last backward: one
+    all-reduce instead of two (no exchange of updated weights) and a longer
+    optimizer step (each GPU steps all of the stage's parameters). The iteration
+    is the pipeline plus the longest such tail of any stage, so unsharding costs
+    nothing while the stage's new tail stays within the plan's longest.
     """
     cost = plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
         return None
     stages = list(plan.stages)
-    for i, stage in enumerate(stages):
+    for i, stage in enumerate(plan.stages):
         if stage.sharding is Sharding.NONE:
             continue
         unsharded = _unsharded(stage)
         memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
         fits = all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory))
-        if fits and cost.stage_sync_ms(i) + max(stage_update_ms(ctx, plan, i, unsharded)) <= cost.tail_ms:
+        if not fits:
+            continue
+        shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
+        own = stage_cost(ctx, replace(plan, stages=(*plan.stages[:i], unsharded, *plan.stages[i + 1 :])), i)
+        if shared_sync_ms + own.sync_ms + max(own.update_ms) <= cost.tail_ms:
             stages[i] = unsharded
     if stages == list(plan.stages):
         return replace(plan, predicted=prediction(ctx, plan, cost))
