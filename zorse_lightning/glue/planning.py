@@ -3,7 +3,9 @@
 Planning at start: each distinct GPU type's first rank times the model's
 blocks on its own device (an emulated rank through its emulation, so it is
 never told its speed factor), the measurements are gathered, and rank 0 runs
-the planner; every rank receives rank 0's plan. A module that cannot be cut,
+the planner; every rank receives rank 0's plan. Each machine's ranks also time
+an all-reduce of the model's gradient bytes (glue/link_probe.py): the planner
+prices synchronisation at the measured rate where it is below the configured one. A module that cannot be cut,
 or that optimises by hand (glue/manual_optimization.py), gets a data-parallel
 plan, and the plan's notes say why.
 """
@@ -24,6 +26,7 @@ from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
 from zorse_lightning.engine.emulation import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
 from zorse_lightning.engine.emulation_calibration import calibrate_in_turn
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.glue.link_probe import probe_bytes, probe_machines, with_measured_rates
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
 from zorse_lightning.glue.step_costs import measure_rank_step_costs
 from zorse_lightning.glue.manual_optimization import MANUAL_OPTIMIZATION_REASON
@@ -195,6 +198,7 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
         )
     measured = [None] * strategy.world_size
     dist.all_gather_object(measured, _measure_my_type(strategy, blocks, batch, example, inventory))
+    probes = probe_machines(inventory, strategy.global_rank, strategy.root_device, probe_bytes(strategy.lightning_module))
     plan = None
     if strategy.global_rank == 0:
         embedding, head, tied = _edge_shapes(strategy, blocks, batch, example)
@@ -202,8 +206,10 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
             [m for m in measured if m is not None], model=type(strategy.lightning_module).__name__, tied_embedding_head=tied
         )
         profile = replace(profile, embedding=embedding, head=head)
-        plan = make_plan(inventory, profile, global_batch_size, options)
-        strategy.start_up_profile = profile  # kept for reports (timeline.png) on rank 0
+        planned_on = with_measured_rates(inventory, probes)
+        plan = make_plan(planned_on, profile, global_batch_size, options)
+        plan = replace(plan, notes=(*plan.notes, *(p.note() for p in probes if p.slower_than_configured)))
+        strategy.start_up_profile, strategy.start_up_inventory = profile, planned_on  # for reports, on rank 0
     return strategy.broadcast(plan)
 
 

@@ -85,6 +85,9 @@ class ZorseStrategy(ProcessStrategy):
         self._plan: Plan | None = None
         self.start_up_profile: ModelProfile | None = None
         """The profile measured at start-up (rank 0 only; None when a plan was given)."""
+        self.start_up_inventory: ClusterInventory | None = None
+        """The cluster as the planner saw it at start-up: intra-machine rates as measured where slower
+        (glue/link_probe.py; rank 0 only, with :attr:`start_up_profile`)."""
         self.calibrated_costs: dict | None = None
         """Emulated CPU costs calibrated once at start-up (glue/planning.py), reused by the run's emulation."""
         self._planner_options = planner_options

@@ -1,0 +1,131 @@
+"""How fast each machine's ranks all-reduce, measured at start, so that the planner prices
+synchronisation as this machine delivers it.
+
+Why: a stage's gradient all-reduce (and, with sharded optimizer state, the
+exchange of updated weights) is priced from the inventory's
+``intra_bandwidth_gbps``. That rate is what a user knows of the hardware (a NIC,
+NVLink, "gloo over loopback"), not what a collective of the model's gradient
+bytes achieves through the backend on these processes: on the 2-core CPU
+machine that emulates cpu_sim4, gloo's all-reduce of 13 MB among 4 ranks
+delivers about a third of the configured 10 Gbit/s, and the planner, believing
+the configured rate, sharded optimizer state whose weight exchange then cost
+three times its price. So each machine with several ranks all-reduces the
+model's gradient bytes (:data:`MAX_PROBE_BYTES` at most) a few times; where the
+rate that reproduces the measured time (:func:`effective_bandwidth_gbps`) is
+below the configured one, the planner gets the measured rate, and the plan's
+notes say so. A faster measurement leaves the configured rate: it stays the
+ceiling the user stated.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.planner.comm import LINK_EFFICIENCY, ring_all_reduce_ms
+from zorse_lightning.profiling.measure import synchronize
+
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+"""Largest probe: larger gradients are all-reduced in pieces about this size anyway, at the same rate."""
+MIN_PROBE_BYTES = 1024 * 1024
+"""Smallest probe: below this, latency rather than rate would be measured."""
+PROBE_REPEATS = 3
+"""Timed all-reduces after one warm-up; the median is kept."""
+
+
+@dataclass(frozen=True)
+class MachineAllReduce:
+    """One machine's probe: the slowest of its ranks' median times."""
+
+    machine: str
+    num_ranks: int
+    num_bytes: int
+    measured_ms: float
+    configured_gbps: float
+    effective_gbps: float
+    """The ``intra_bandwidth_gbps`` at which the cost model prices this all-reduce at ``measured_ms``."""
+
+    @property
+    def slower_than_configured(self) -> bool:
+        return self.effective_gbps < self.configured_gbps
+
+    def note(self) -> str:
+        return (
+            f"machine {self.machine!r}: an all-reduce of {self.num_bytes / 1e6:.1f} MB among its {self.num_ranks} ranks "
+            f"took {self.measured_ms:.1f} ms at start, as at {self.effective_gbps:.2f} Gbit/s, below its "
+            f"intra_bandwidth_gbps {self.configured_gbps:g}: planned with the measured rate"
+        )
+
+
+def effective_bandwidth_gbps(num_bytes: float, num_ranks: int, measured_ms: float, latency_us: float) -> float:
+    """The link rate at which :func:`~zorse_lightning.planner.comm.ring_all_reduce_ms`, after
+    :data:`~zorse_lightning.planner.comm.LINK_EFFICIENCY`, takes ``measured_ms`` (inf when latency
+    alone explains it)."""
+    transfer_ms = measured_ms - ring_all_reduce_ms(num_bytes, num_ranks, math.inf, latency_us)
+    if transfer_ms <= 0:
+        return math.inf
+    return ring_all_reduce_ms(num_bytes, num_ranks, 1.0, 0.0) / transfer_ms / LINK_EFFICIENCY
+
+
+def probe_bytes(module: torch.nn.Module) -> int:
+    """The module's gradient bytes, within [MIN_PROBE_BYTES, MAX_PROBE_BYTES]."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return int(min(max(total, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
+
+
+def _machine_ranks(inventory: ClusterInventory) -> list[tuple[str, list[int]]]:
+    ranks: dict[str, list[int]] = {}
+    for rank, gpu in enumerate(inventory.gpus):
+        ranks.setdefault(gpu.machine, []).append(rank)
+    return [(m.name, ranks[m.name]) for m in inventory.machines]
+
+
+def probe_machines(
+    inventory: ClusterInventory, rank: int, device: torch.device, num_bytes: int
+) -> list[MachineAllReduce]:
+    """Every machine with several ranks times an all-reduce of ``num_bytes`` among them, all machines
+    at once (collective: every rank calls it; the same list on every rank)."""
+    machines = [(name, ranks) for name, ranks in _machine_ranks(inventory) if len(ranks) > 1]
+    groups = {name: dist.new_group(ranks) for name, ranks in machines}  # every rank creates every group
+    mine = inventory.gpus[rank].machine
+    median_ms = 0.0
+    if mine in groups:
+        tensor = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(1 + PROBE_REPEATS):
+            synchronize(device)
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=groups[mine])
+            synchronize(device)
+            times.append((time.perf_counter() - start) * 1000.0)
+        median_ms = statistics.median(times[1:])
+        dist.destroy_process_group(groups[mine])
+    gathered = [0.0] * dist.get_world_size()
+    dist.all_gather_object(gathered, median_ms)
+    results = []
+    for name, ranks in machines:
+        measured = max(gathered[r] for r in ranks)
+        latency = inventory.latency_us(ranks[0], ranks[1])
+        results.append(MachineAllReduce(
+            machine=name, num_ranks=len(ranks), num_bytes=num_bytes, measured_ms=measured,
+            configured_gbps=inventory.bandwidth_gbps(ranks[0], ranks[1]),
+            effective_gbps=effective_bandwidth_gbps(num_bytes, len(ranks), measured, latency),
+        ))
+    return results
+
+
+def with_measured_rates(inventory: ClusterInventory, probes: list[MachineAllReduce]) -> ClusterInventory:
+    """The inventory with each machine's ``intra_bandwidth_gbps`` lowered to its probe's effective rate."""
+    slower = {p.machine: p.effective_gbps for p in probes if p.slower_than_configured}
+    if not slower:
+        return inventory
+    machines = tuple(
+        replace(m, intra_bandwidth_gbps=slower[m.name]) if m.name in slower else m for m in inventory.machines
+    )
+    return replace(inventory, machines=machines)
