@@ -6,13 +6,13 @@ Two CPU processes (gloo, one thread each) emulate two A100s; both strategies
 run on the same emulation (ZorseStrategy's own for zorse, the
 :class:`EmulateCluster` callback for DDP), so their compute is the same and
 what differs is the engine: the plan-driven sampler, the microbatch loop, log
-capture and replay, gradient synchronisation after the backward (DDP overlaps
-its bucketed all-reduce with the backward), the optimizer step.
+capture and replay, gradient synchronisation (both overlap a bucketed
+all-reduce with the last backward), the optimizer step.
 
 The zorse plan is one stage of both ranks, one microbatch of DDP's per-rank
 batch each, training state unsharded: exactly DDP's work, so that the ratio
 measures the engine and not a choice of the planner (which may shard the
-optimizer state, trading an all-gather of the weights for a shorter step).
+optimizer state, trading an all-reduce of the updated weights for a shorter step).
 
 Each run calibrates its emulated compute anew at its first step, on cores
 other work shares: runs differ in absolute speed by whatever contention that
