@@ -35,7 +35,7 @@ from torch import nn
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.glue.log_capture import LogCapture, capturing_logs, replay
+from zorse_lightning.glue.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.planner.plan import Plan
 
 MANUAL_OPTIMIZATION_REASON = (
@@ -87,15 +87,17 @@ class ManualOptimization:
         self.local_samples = len(plan.stages[0].microbatch_ranges()[rank]) * plan.microbatch_size
         self.weight = self.local_samples / plan.global_batch_size
         """Of this rank's mean loss in the global-batch mean (0 for a rank without samples)."""
+        self.log_merger = LogMerger(engine.device)
+        """The metric layout each step's merge reuses (one small gather while names stay the same)."""
 
     def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        """The user's step once on this rank's samples; its logs merged over ranks (one gather)."""
+        """The user's step once on this rank's samples; its logs merged over ranks."""
         capture = LogCapture(self.local_samples)
         with capturing_logs(self.module, capture):
             output = self.module.training_step(batch, batch_idx, *rest)
         if not self.local_samples:
             capture.records.clear()  # the step ran on a placeholder microbatch: nothing of it counts
-        replay(self.module, capture.merged_over_ranks(), self.engine.plan.global_batch_size)
+        replay(self.module, capture.merged_over_ranks(self.log_merger), self.engine.plan.global_batch_size)
         return output
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
