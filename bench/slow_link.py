@@ -32,8 +32,13 @@ predicted iteration time with that median. ``link_bytes_per_step`` is what
 machine 0 sent over the link per timed step (its shaper's counter),
 ``emulated_compute_ms_per_rank`` each rank's emulated compute per timed step
 (the synthetic GPU time: what is left of a step is communication and waiting),
-and ``predicted_pipeline_ms`` / ``predicted_sync_ms`` the cost model's parts
-of the prediction. The start-up profile and the run use the same emulated
+``emulation_overrun_ms_per_rank`` by how much real CPU compute passed the
+emulation's deadlines per timed step (contention for the CPU: the emulated GPU
+ran slower than its type, which no prediction follows), and
+``predicted_pipeline_ms`` / ``predicted_sync_ms`` / ``predicted_update_ms`` the
+cost model's parts of the prediction, with ``predicted_stages`` (each rank's
+forward and backward of one microbatch, each stage's compute per iteration) and
+``predicted_boundary_transfer_ms`` (one activation across each boundary). The start-up profile and the run use the same emulated
 costs (calibrated once at start-up, ranks one at a time), so the run's
 emulated compute is the prediction's compute; what is left of a miss is the
 model of communication and schedule. The last
@@ -107,8 +112,11 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
 
     def fit(strategy: ZorseStrategy) -> dict:
         """Rank 0's median step, machine 0's bytes sent and every rank's emulated compute per timed step."""
-        timer = StepTimer(lambda step: (uplink_sent_bytes(), strategy.emulation.emulator.emulated_compute_s)
-                          if step in probe_steps else None)
+        def probe(step: int) -> tuple[int, float, float] | None:
+            emulator = strategy.emulation.emulator
+            return (uplink_sent_bytes(), emulator.emulated_compute_s, emulator.overrun_s) if step in probe_steps else None
+
+        timer = StepTimer(probe)
         trainer = pl.Trainer(
             strategy=strategy, accelerator="cpu", devices=environment.local_world_size(),
             num_nodes=len(inventory.machines), max_steps=config.warmup + config.steps, logger=False,
@@ -119,13 +127,15 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
         model = GPT(vocab_size=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers, heads=4)
         loader = DataLoader(dataset, batch_size=config.global_batch // inventory.world_size, shuffle=True)
         trainer.fit(model, train_dataloaders=loader)
-        (sent_0, compute_0), (sent_1, compute_1) = [p for p in timer.probes if p is not None]
-        compute_ms = [0.0] * inventory.world_size
-        dist.all_gather_object(compute_ms, round((compute_1 - compute_0) * 1000.0 / config.steps, 1))
+        (sent_0, compute_0, overrun_0), (sent_1, compute_1, overrun_1) = [p for p in timer.probes if p is not None]
+        per_rank = [(0.0, 0.0)] * inventory.world_size
+        dist.all_gather_object(per_rank, (round((compute_1 - compute_0) * 1000.0 / config.steps, 1),
+                                          round((overrun_1 - overrun_0) * 1000.0 / config.steps, 1)))
         return {
             "measured_ms": timer.median_step_s(config.warmup) * 1000.0,
             "link_bytes_per_step": round((sent_1 - sent_0) / config.steps),
-            "emulated_compute_ms_per_rank": compute_ms,
+            "emulated_compute_ms_per_rank": [compute for compute, _ in per_rank],
+            "emulation_overrun_ms_per_rank": [overrun for _, overrun in per_rank],
         }
 
     options = PlannerOptions(solver_time_limit_s=config.solver_time_limit_s)
@@ -133,7 +143,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     measured = {"plan": fit(planned)}
     dp = None
     if environment.global_rank() == 0:
-        dp = make_plan(inventory, planned.start_up_profile, config.global_batch, within_profiled_sizes(PlannerOptions(
+        dp = make_plan(planned.start_up_inventory, planned.start_up_profile, config.global_batch, within_profiled_sizes(PlannerOptions(
             solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False, allow_idle_ranks=False,
             no_pipeline_reason="the data-parallel baseline of bench/slow_link.py",
         )))
@@ -142,7 +152,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     dp = box[0]
     measured["dp"] = fit(ZorseStrategy(cluster=mapping, plan=dp))
     if environment.global_rank() == 0:
-        context = CostContext.build(inventory, planned.start_up_profile)
+        context = CostContext.build(planned.start_up_inventory, planned.start_up_profile)
         result = {}
         for name, plan in (("plan", planned.plan), ("dp", dp)):
             cost = plan_cost(context, plan)
@@ -151,6 +161,13 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
                 "predicted_ms": plan.predicted.iteration_ms,
                 "predicted_pipeline_ms": cost.pipeline_ms,
                 "predicted_sync_ms": cost.sync_ms,
+                "predicted_update_ms": cost.update_ms,
+                "predicted_stages": [
+                    {"forward_ms": [round(t.forward_ms, 2) for t in s.times],
+                     "backward_ms": [round(t.backward_ms, 2) for t in s.times], "busy_ms": round(s.busy_ms, 1)}
+                    for s in cost.stages
+                ],
+                "predicted_boundary_transfer_ms": [round(b.transfer_ms, 2) for b in cost.boundaries],
                 "samples_per_s": plan.global_batch_size / measured[name]["measured_ms"] * 1000.0,
                 "microbatch_size": plan.microbatch_size,
                 "layout": [

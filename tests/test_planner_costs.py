@@ -16,7 +16,12 @@ from zorse_lightning.planner.comm import (
     ring_reduce_scatter_ms,
     transfer_ms,
 )
-from zorse_lightning.planner.compute import pipeline_ms, round_trip_busy_ms, stage_microbatch_times
+from zorse_lightning.planner.compute import (
+    pipeline_ms,
+    receiving_busy_ms,
+    round_trip_busy_ms,
+    stage_microbatch_times,
+)
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, routes
 from zorse_lightning.planner.memory import reserve_gib
 from zorse_lightning.errors import PlanningError
@@ -114,6 +119,15 @@ def test_round_trip_limit_of_1f1b() -> None:
     assert round_trip_busy_ms([1.0, 2.0], [0, 3], [1, 1], 0.0) == pytest.approx(6.0)
 
 
+def test_receives_between_microbatches_add_to_a_stage() -> None:
+    # 8 microbatches of 4 ms, each needing a 1 ms transfer the rank waits for: the first
+    # lies in the fill, the other 7 between its microbatches
+    assert receiving_busy_ms([4.0], [8], [1.0]) == pytest.approx(8 * 4 + 7 * 1)
+    # the slowest rank with work sets it; a rank without microbatches waits for nothing
+    assert receiving_busy_ms([4.0, 1.0, 9.0], [2, 6, 0], [3.0, 2.0, 5.0]) == pytest.approx(max(2 * 4 + 3, 6 * 1 + 5 * 2))
+    assert receiving_busy_ms([4.0], [8], [0.0]) == pytest.approx(32.0)
+
+
 def test_routes_pair_contiguous_microbatch_ranges() -> None:
     sender = StagePlan((0, 1), ("t4", "t4"), ("m", "m"), (0, 1), (2, 2))
     receiver = StagePlan((2, 3), ("t4", "t4"), ("m", "m"), (1, 2), (1, 3))
@@ -133,7 +147,13 @@ def test_plan_iteration_time_by_hand() -> None:
     transfer = 0.005 + 2 * LAYER_OUT / rate * 1e3  # 5 us + 5e5 bytes
     assert cost.boundaries[0].transfer_ms == pytest.approx(transfer)
     assert cost.boundaries[0].busy_ms == pytest.approx(3 * transfer)  # rank 0 -> 2 carries 3 microbatches
-    pipeline = v100_first + 2 * transfer + a100_last + max(3 * a100_first - v100_first, 3 * transfer - 2 * transfer, 3 * a100_last)
+    # each rank also waits for its transfers between its microbatches (receiving_busy_ms), the first
+    # counted in the fill: rank 0 for 3 gradients, rank 2 for 4 activations, each behind the
+    # gradient it has just sent back (its notice that it is ready crosses the link after it)
+    busiest_first, busiest_last = 3 * a100_first + 2 * transfer, 4 * a100_last + 3 * 2 * transfer
+    pipeline = v100_first + 2 * transfer + a100_last + max(
+        busiest_first - v100_first, 3 * transfer - 2 * transfer, busiest_last - a100_last
+    )
     assert cost.pipeline_ms == pytest.approx(pipeline)
     sync = 2 * 1 / 2 * (2 * 2 * LAYER_PARAMS) / rate * 1e3 + 2 * 0.005  # fp16 gradients of 2 layers over 2 ranks
     assert cost.sync_ms == pytest.approx(sync)

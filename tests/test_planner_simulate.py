@@ -126,3 +126,26 @@ def test_gpipe_runs_every_forward_before_any_backward() -> None:
         assert kinds == sorted(kinds, key=lambda k: k is EventKind.BACKWARD)
     sends = [e for e in timeline.events if e.kind is EventKind.SEND]
     assert len(sends) == 2 * 8  # each microbatch's activation forward and its gradient back
+
+
+def test_a_message_moves_when_its_receiver_is_free() -> None:
+    """gloo sends once the blocking receive is posted, and the receiver's notice crosses the link
+    behind the gradient it has just sent: the last stage waits for both between its microbatches,
+    and the closed form prices that wait (receiving_busy_ms)."""
+    profile = replace(_profile(20_000_000), layers=_profile(20_000_000).layers[:3])
+    ctx = CostContext.build(_inventory(), profile)
+    # stage 0: embedding + layer 0 (6 ms a microbatch); stage 1: layers 1-2 + head (9 ms), the busiest
+    plan = Plan("sim", "sim", 3, 5, 8, 1, Schedule.ONE_F_ONE_B, (_stage([0], (0, 1), [8]), _stage([1], (1, 3), [8])),
+                idle_ranks=(2, 3, 4))
+    cost = plan_cost(ctx, plan)
+    transfer = cost.boundaries[0].transfer_ms
+    assert transfer == pytest.approx(0.005 + 20e6 / (100e9 / 8 * 0.95) * 1e3)  # 20 MB at 95 % of 100 Gb/s
+    timeline = simulate(ctx, plan)
+    _check_schedule_rules(plan, timeline)
+    # stage 0's forward, the first activation, 8 x 9 ms on stage 1 with 7 x (a gradient back, the
+    # next activation) between them, the last gradient, stage 0's backward: 6 + 72 + 16 x
+    assert timeline.makespan_ms == pytest.approx(6 + 8 * 9 + 16 * transfer, abs=1e-3)
+    assert cost.iteration_ms == pytest.approx(timeline.makespan_ms, abs=1e-3)
+    last = [e for e in timeline.of_rank(1) if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)]
+    for backward, forward in zip(last[1::2], last[2::2]):
+        assert forward.start_ms == pytest.approx(backward.end_ms + 2 * transfer)

@@ -2,10 +2,15 @@
 
 What overlaps and what does not (the pipeline formula in :mod:`.compute` uses this):
 
-* activations and their gradients between stages are sent asynchronously: in the
-  steady state they overlap compute, so a boundary only limits the iteration when
-  its busiest link needs longer than the busiest stage; during fill and drain
-  each boundary adds one transfer each way to the critical path;
+* activations and their gradients between stages are sent asynchronously, but
+  the transport (gloo) moves a message only once its receiver has posted the
+  (blocking) receive, which the engine does when it reaches the action that needs
+  it (its notice crosses the link the other way, behind what it has just sent
+  there): the sender computes on, the receiver waits for the whole transfer. So each
+  rank is busy its compute plus its incoming transfers per microbatch
+  (:func:`.compute.receiving_busy_ms`); a boundary limits the iteration when its
+  busiest link needs longer than that; during fill and drain each boundary adds
+  one transfer each way to the critical path;
 * gradient synchronisation of a stage (ring all-reduce, then an all-reduce of
   the updated parameters when the optimizer state is sharded) runs
   after the stage's last backward and is *not* overlapped (conservative: the

@@ -11,8 +11,9 @@ Each element ``e`` has
   boundary: one activation transfer forward plus one gradient transfer back);
 * a busy time ``T_e`` per iteration (stage: ``max_r n_r (f_r + b_r)`` over its ranks
   with ``n_r`` microbatches each, or more when its in-flight limit makes it wait for
-  gradients, see :func:`round_trip_busy_ms`; boundary: its busiest link's total
-  transfer time).
+  gradients, see :func:`round_trip_busy_ms`, or when it waits for its transfers
+  between microbatches, see :func:`receiving_busy_ms`; boundary: its busiest
+  link's total transfer time).
 
 Then::
 
@@ -97,6 +98,21 @@ def round_trip_busy_ms(microbatch_ms: list[float], microbatches: list[int], in_f
     """
     spans = [n * (t + downstream_ms) / w for t, n, w in zip(microbatch_ms, microbatches, in_flight) if n > 0]
     return max(spans, default=0.0) - downstream_ms
+
+
+def receiving_busy_ms(microbatch_ms: list[float], microbatches: list[int], receive_ms: list[float]) -> float:
+    """Busy time of a stage whose ranks wait for their transfers between microbatches.
+
+    The engine's receives block, and its transport (gloo) moves a message only once
+    its receiver has posted the receive, which the receiver does when it reaches the
+    action that needs it: a message sent early waits at the sender. So a rank that
+    waits ``x`` ms for its messages per microbatch (the activation from the previous
+    stage, the gradient from the next: see :func:`.evaluate.receive_ms_per_microbatch`)
+    is busy ``t + x`` per microbatch, not ``t`` with the transfers hidden under compute. Its first receive lies in the fill the
+    boundaries' latencies already count, hence ``n t + (n - 1) x``.
+    """
+    spans = [n * t + (n - 1) * x for t, n, x in zip(microbatch_ms, microbatches, receive_ms) if n > 0]
+    return max(spans, default=0.0)
 
 
 def pipeline_ms(latencies_ms: list[float], busy_ms: list[float]) -> float:

@@ -17,6 +17,7 @@ from zorse_lightning.planner.comm import (
 from zorse_lightning.planner.compute import (
     MicrobatchTimes,
     pipeline_ms,
+    receiving_busy_ms,
     round_trip_busy_ms,
     stage_busy_ms,
     stage_latency_ms,
@@ -156,9 +157,14 @@ def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]
     return out
 
 
+def boundary_message_bytes(ctx: CostContext, plan: Plan, index: int) -> float:
+    """One microbatch's activation across boundary ``index`` (its gradient back is as large)."""
+    return ctx.profile.layers[plan.stages[index].layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
+
+
 def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     sender, receiver = plan.stages[index], plan.stages[index + 1]
-    message_bytes = ctx.profile.layers[sender.layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
+    message_bytes = boundary_message_bytes(ctx, plan, index)
     per_link: dict = {}
     route_list = routes(sender, receiver)
     for a, b, count in route_list:
@@ -266,6 +272,31 @@ def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tup
     )
 
 
+def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:
+    """Per stage, per rank: the transfers it waits for per microbatch (see :func:`receiving_busy_ms`).
+
+    A rank of stage ``i`` receives each microbatch's activation from stage ``i - 1``
+    and its gradient from stage ``i + 1`` (the slowest route where several senders
+    feed it). Before an activation moves, the receiver's notice that it is ready
+    crosses the link the other way, behind the gradient the receiver has just sent
+    that peer (1F1B: a backward, then the next forward's receive): so each
+    activation costs the receiver that gradient's transfer too.
+    """
+    slowest: dict[tuple[int, int, str], float] = {}  # (stage, rank, "previous" | "next" stage) -> ms
+    for i, boundary in enumerate(boundaries):
+        message_bytes = boundary_message_bytes(ctx, plan, i)
+        for a, b, _ in boundary.routes:
+            forward = transfer_ms(message_bytes, *ctx.links.link(a, b)[1:])
+            back = transfer_ms(message_bytes, *ctx.links.link(b, a)[1:])
+            for key, ms in (((i + 1, b, "previous"), forward + back), ((i, a, "next"), back)):
+                slowest[key] = max(slowest.get(key, 0.0), ms)
+    position = [{r: k for k, r in enumerate(stage.ranks)} for stage in plan.stages]
+    receive = [[0.0] * len(stage.ranks) for stage in plan.stages]
+    for (stage, rank, _), ms in slowest.items():
+        receive[stage][position[stage][rank]] += ms
+    return receive
+
+
 def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
     stages = tuple(stage_cost(ctx, plan, i) for i in range(len(plan.stages)))
     boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
@@ -277,12 +308,14 @@ def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
         if i < len(boundaries):
             latencies.append(2 * boundaries[i].transfer_ms)
             busy.append(boundaries[i].busy_ms)
+    receive = receive_ms_per_microbatch(ctx, plan, boundaries)
     for i, (stage_plan, stage) in enumerate(zip(plan.stages, stages)):
         element = 2 * i  # stages and boundaries alternate
         counts = list(stage_plan.microbatches_per_rank)
+        totals = [t.total_ms for t in stage.times]
         in_flight = [microbatches_in_flight(plan.schedule, widths, i, n) for n in counts]
-        waiting = round_trip_busy_ms([t.total_ms for t in stage.times], counts, in_flight, sum(latencies[element + 1 :]))
-        busy[element] = max(busy[element], waiting)
+        waiting = round_trip_busy_ms(totals, counts, in_flight, sum(latencies[element + 1 :]))
+        busy[element] = max(busy[element], waiting, receiving_busy_ms(totals, counts, receive[i]))
     tied = tied_sync_ms(ctx, plan.stages[0].ranks, plan.stages[-1].ranks) if len(stages) > 1 else 0.0
     cost = PlanCost(stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied)
     return replace(cost, sync_ms=max(cost.stage_sync_ms(i) for i in range(len(stages))))

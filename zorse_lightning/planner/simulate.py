@@ -5,9 +5,13 @@ Each rank runs its microbatches in index order. Under 1F1B a rank of stage ``i``
 of ``S`` starts at most ``min(n, S - i)`` forwards ahead of its backwards and, when
 both are ready, runs the backward first; under GPipe it runs every forward, then
 every backward. A forward needs the previous stage's output (after the transfer),
-a backward the next stage's gradient (the last stage's, its own forward). Per-op
-times, transfer times, synchronisation and optimizer step times are the cost
-model's (:mod:`.evaluate`); the stage's synchronisation starts when its last rank
+a backward the next stage's gradient (the last stage's, its own forward). A
+message moves only once its receiver is free to take it, as the engine's
+transport does (gloo sends when the blocking receive is posted, which the engine
+does when it reaches the action that needs it; the receiver's notice crosses the
+link the other way, behind what is queued there), and one at a time per link and
+direction. Per-op times, transfer times, synchronisation and optimizer step
+times are the cost model's (:mod:`.evaluate`); the stage's synchronisation starts when its last rank
 ends its last backward, and each rank's optimizer step when the synchronisation
 ends.
 
@@ -17,9 +21,11 @@ that takes longest to synchronise and step is one that finishes its backwards
 last (the textbook ``(M + S - 1) t`` for single-GPU stages whose optimizer steps
 are negligible, ``max_r n_r t_r`` plus the all-reduce plus the slowest optimizer
 step for one stage); with transfers, the simulation may be longer (1F1B stalls
-while a gradient makes its round trip, which the closed form ignores) or
-shorter (the closed form charges a shared link's whole traffic as a separate
-pipeline element, while the simulation overlaps it with compute). It is also
+while a gradient makes its round trip, which the closed form bounds only on
+average) or shorter (the closed form charges a shared link's whole traffic as a
+separate pipeline element, while the simulation overlaps it with compute; and it
+charges the fill and drain through every later element even where the busiest
+stage is the first). It is also
 shorter when a stage that ends early has the longest synchronisation and step:
 the closed form starts every stage's at the pipeline's end.
 """
@@ -32,7 +38,7 @@ from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.planner.comm import transfer_ms
-from zorse_lightning.planner.evaluate import CostContext, plan_cost, plan_stage_widths
+from zorse_lightning.planner.evaluate import CostContext, boundary_message_bytes, plan_cost, plan_stage_widths
 from zorse_lightning.planner.memory import microbatches_in_flight
 from zorse_lightning.planner.plan import Plan
 
@@ -101,8 +107,8 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
         for r, times, mbs in zip(stage.ranks, stage_cost.times, stage.microbatch_ranges().values()):
             limit = microbatches_in_flight(plan.schedule, widths, s, len(mbs))
             ranks[r] = _Rank(r, s, list(mbs), limit, times.forward_ms, times.backward_ms)
-    forward_ready = {(0, j): 0.0 for j in range(plan.num_microbatches)}
-    backward_ready: dict[tuple[int, int], float] = {}
+    forward_ready = {(0, j): _Message(0.0) for j in range(plan.num_microbatches)}
+    backward_ready: dict[tuple[int, int], _Message] = {}
     events: list[TimelineEvent] = []
 
     def next_op(state: _Rank):
@@ -110,14 +116,14 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
         options = []
         if state.backwarded < state.forwarded:
             j = state.microbatches[state.backwarded]
-            ready = backward_ready.get((state.stage, j))
+            message = backward_ready.get((state.stage, j))
             gpipe_wait = plan.schedule is Schedule.GPIPE and state.forwarded < len(state.microbatches)
-            if ready is not None and not gpipe_wait:
-                options.append((max(ready, state.free_at), 0))
+            if message is not None and not gpipe_wait:
+                options.append((message.received_ms(state.free_at, link_free), 0))
         if state.forwarded < len(state.microbatches) and state.forwarded - state.backwarded < state.limit:
-            ready = forward_ready.get((state.stage, state.microbatches[state.forwarded]))
-            if ready is not None:
-                options.append((max(ready, state.free_at), 1))
+            message = forward_ready.get((state.stage, state.microbatches[state.forwarded]))
+            if message is not None:
+                options.append((message.received_ms(state.free_at, link_free), 1))
         return min(options) if options else None
 
     heap = []
@@ -128,8 +134,11 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     while heap:
         start, kind, r = heapq.heappop(heap)
         state = ranks[r]
-        if next_op(state) != (start, kind):
-            continue  # stale entry
+        op = next_op(state)
+        if op != (start, kind):  # stale entry: the rank's next op changed (a link got busier, say)
+            if op is not None:
+                heapq.heappush(heap, (op[0], op[1], r))
+            continue
         touched = _run(plan, state, kind == 0, start, owner, transfer, link_free, forward_ready, backward_ready, events)
         for t in {r, *touched}:
             op = next_op(ranks[t])
@@ -147,42 +156,59 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
 
 
+@dataclass(frozen=True)
+class _Message:
+    """An activation or gradient sent at ``sent_ms``; it moves once its receiver is free (see module docstring)."""
+
+    sent_ms: float
+    transfer_ms: float = 0.0
+    link: tuple | None = None
+    """None: nothing to move (the first stage's inputs, the last stage's own loss)."""
+    notice_link: tuple | None = None
+    """The link the other way, which the receiver's notice that it is ready crosses."""
+    sender: int = -1
+
+    def moves_at_ms(self, receiver_free_ms: float, link_free: dict) -> float:
+        if self.link is None:
+            return self.sent_ms
+        notice_ms = max(receiver_free_ms, link_free.get(self.notice_link, 0.0))
+        return max(self.sent_ms, notice_ms, link_free.get(self.link, 0.0))
+
+    def received_ms(self, receiver_free_ms: float, link_free: dict) -> float:
+        return max(receiver_free_ms, self.moves_at_ms(receiver_free_ms, link_free) + self.transfer_ms)
+
+
 def _one_transfer(ctx: CostContext, plan: Plan, boundary: int, a: int, b: int) -> float:
-    message = ctx.profile.layers[plan.stages[boundary].layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
-    return transfer_ms(message, *ctx.links.link(a, b)[1:])
+    return transfer_ms(boundary_message_bytes(ctx, plan, boundary), *ctx.links.link(a, b)[1:])
 
 
 def _run(plan, state: _Rank, backward: bool, start: float, owner, transfer, link_free, forward_ready, backward_ready, events) -> set[int]:
-    """Run one op at ``start``; record it and its transfer (which waits for its link, one
-    message at a time per direction); return the ranks that may now proceed."""
+    """Run one op at ``start``: record the transfer it waited for (which held its link) and the op;
+    leave its output for the next rank; return the ranks that may now proceed."""
     s, last = state.stage, len(plan.stages) - 1
+    j = state.microbatches[state.backwarded if backward else state.forwarded]
+    message = (backward_ready if backward else forward_ready).pop((s, j))
+    if message.link is not None:
+        moved = message.moves_at_ms(state.free_at, link_free)
+        link_free[message.link] = moved + message.transfer_ms
+        events.append(TimelineEvent(message.sender, EventKind.SEND, j, moved, moved + message.transfer_ms))
+        events.append(TimelineEvent(state.rank, EventKind.RECV, j, moved, moved + message.transfer_ms))
+    end = start + (state.backward_ms if backward else state.forward_ms)
+    events.append(TimelineEvent(state.rank, EventKind.BACKWARD if backward else EventKind.FORWARD, j, start, end))
+    state.free_at = end
     if backward:
-        j = state.microbatches[state.backwarded]
-        end = start + state.backward_ms
         state.backwarded += 1
-        events.append(TimelineEvent(state.rank, EventKind.BACKWARD, j, start, end))
         if s == 0:
-            state.free_at = end
             return set()
         peer = owner[s - 1][j]
-        delay, _, link = transfer[s - 1][(peer, state.rank)]
-        sent = max(end, link_free.get(link, 0.0))
-        backward_ready[(s - 1, j)] = sent + delay
-    else:
-        j = state.microbatches[state.forwarded]
-        end = start + state.forward_ms
-        state.forwarded += 1
-        events.append(TimelineEvent(state.rank, EventKind.FORWARD, j, start, end))
-        if s == last:
-            backward_ready[(s, j)] = end
-            state.free_at = end
-            return set()
-        peer = owner[s + 1][j]
-        delay, link, _ = transfer[s][(state.rank, peer)]
-        sent = max(end, link_free.get(link, 0.0))
-        forward_ready[(s + 1, j)] = sent + delay
-    state.free_at = end
-    link_free[link] = sent + delay
-    events.append(TimelineEvent(state.rank, EventKind.SEND, j, sent, sent + delay))
-    events.append(TimelineEvent(peer, EventKind.RECV, j, sent, sent + delay))
+        delay, notice_link, link = transfer[s - 1][(peer, state.rank)]
+        backward_ready[(s - 1, j)] = _Message(end, delay, link, notice_link, state.rank)
+        return {peer}
+    state.forwarded += 1
+    if s == last:
+        backward_ready[(s, j)] = _Message(end)
+        return set()
+    peer = owner[s + 1][j]
+    delay, link, notice_link = transfer[s][(state.rank, peer)]
+    forward_ready[(s + 1, j)] = _Message(end, delay, link, notice_link, state.rank)
     return {peer}
