@@ -168,3 +168,22 @@ def test_namespaces_are_removed_when_the_job_fails(tmp_path: Path) -> None:
     assert "SystemExit" in str(failure.value) or "exitcode" in str(failure.value)
     assert hanging.poll() is not None  # killed on the way out, though it would have slept for 10 minutes
     assert not names & _namespaces()
+
+
+@needs_netns
+def test_namespaces_are_removed_when_the_owner_is_terminated(tmp_path: Path) -> None:
+    """``kill`` (SIGTERM) of the process inside ``with NetnsNetwork(...)`` still deletes its namespaces."""
+    owner = textwrap.dedent("""
+        import sys, time
+        from zorse_lightning.testing.netns import NetnsCluster, NetnsMachine, NetnsNetwork
+        cluster = NetnsCluster("term", (NetnsMachine("a", ("t4",), link_gbps=0.1), NetnsMachine("b", ("t4",), link_gbps=0.1)))
+        with NetnsNetwork(cluster) as net:
+            print(net.switch, net.namespace(0), net.namespace(1), flush=True)
+            time.sleep(600)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    names = set(process.stdout.readline().split())
+    assert len(names) == 3 and names <= _namespaces()
+    process.terminate()
+    assert process.wait(timeout=60) == 128 + 15
+    assert not names & _namespaces()

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -206,6 +207,11 @@ def _tbf(link_gbps: float) -> list[str]:
     return ["tbf", "rate", f"{rate_bytes_per_s:.0f}bps", "burst", str(burst_bytes), "latency", f"{TBF_QUEUE_MS}ms"]
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM as an exception, so that ``with NetnsNetwork(...)`` removes what it made."""
+    raise SystemExit(128 + signum)
+
+
 class NetnsNetwork:
     """The namespaces of a :class:`NetnsCluster`, alive inside a ``with`` block.
 
@@ -213,9 +219,11 @@ class NetnsNetwork:
     block (normally or by an exception) every process started through it is
     killed with its process group, any process still inside one of its
     namespaces is killed, and the namespaces are deleted (which deletes their
-    veth ends and the bridge). Names carry a random tag, so networks of
-    concurrent tests do not collide; each has its own switch, so their equal
-    addresses do not either.
+    veth ends and the bridge). A SIGTERM (``kill``, a CI job's timeout) ends the
+    block as an exception does, so it cleans up too; only SIGKILL leaves
+    namespaces behind (``ip netns list``, names ``zl<tag>-...``). Names carry a
+    random tag, so networks of concurrent tests do not collide; each has its own
+    switch, so their equal addresses do not either.
     """
 
     def __init__(self, cluster: NetnsCluster) -> None:
@@ -223,6 +231,7 @@ class NetnsNetwork:
         self.tag = f"zl{secrets.token_hex(3)}"
         self._created: list[str] = []
         self._processes: list[subprocess.Popen] = []
+        self._previous_sigterm: Any = None
 
     @property
     def switch(self) -> str:
@@ -235,6 +244,8 @@ class NetnsNetwork:
         reason = netns_unavailable_reason()
         if reason is not None:
             raise NetnsError(reason)
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._create()
         except BaseException:
@@ -337,6 +348,9 @@ class NetnsNetwork:
 
     def close(self) -> None:
         """Kill what runs inside, delete the namespaces (idempotent). Raises if one cannot be deleted."""
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         self._kill(self._processes)
         self._processes = []
         failures = []
