@@ -89,3 +89,11 @@ def test_inventory_disagrees_with_detected_devices():
                                              r"GPU 2\) is listed as t4 but is a 'NVIDIA L4' \(l4\)\. Fix the cluster "
                                              r"config .*or omit cluster="):
         check_detected_devices(inventory, wrong)
+
+
+def test_emulation_slowdown_below_one():
+    from zorse_lightning.errors import ZorseUserError
+    from zorse_lightning.glue.strategy import ZorseStrategy
+
+    with pytest.raises(ZorseUserError, match=r"emulation_slowdown=0.5 must be >= 1 .* the default is 3"):
+        ZorseStrategy(cluster="cpu_sim2", emulation_slowdown=0.5)

@@ -87,7 +87,7 @@ def _worker(rank: int, tmp: Path) -> dict:
     inventory = load_cluster("cpu_sim2")
     planned = ZorseStrategy(cluster=inventory, emulate=True, planner_options=PlannerOptions(solver_time_limit_s=5))
     pipelined_plan = hand_plan([((0,), (MICROBATCHES,), (0, 3)), ((1,), (MICROBATCHES,), (3, 4))], 2, inventory=inventory)
-    pipelined = ZorseStrategy(cluster=inventory, plan=pipelined_plan, emulate=True)
+    pipelined = ZorseStrategy(cluster=inventory, plan=pipelined_plan, emulate=True, emulation_slowdown=4.0)
     return {"planned": _case(planned, tmp), "pipelined": _case(pipelined, tmp)}
 
 
@@ -134,3 +134,4 @@ def test_emulated_pipeline_stage_boundaries_are_exact_and_fully_emulated(results
     # stage's last block (which ends the stage) and the receiving block's backward count too.
     per_microbatch = [2 * (3 + 2), 2 * (1 + 2)]
     assert [r["pipelined"]["calls"] for r in results] == [STEPS * MICROBATCHES * n for n in per_microbatch]
+    assert [r["pipelined"]["slowdown"] for r in results] == pytest.approx([4.0, 4.0 * 312 / 125])  # as asked

@@ -121,7 +121,8 @@ def _measure_my_type(strategy: Any, blocks: BlockList, batch: Any, example: torc
     measured_blocks = copy.deepcopy(blocks.blocks)
     emulator = None
     if strategy.calibrated_costs is not None:
-        emulator = ComputeEmulator(emulation_spec_for_rank(inventory, rank), rank=rank, costs=strategy.calibrated_costs)
+        spec = emulation_spec_for_rank(inventory, rank, strategy.emulation_slowdown)
+        emulator = ComputeEmulator(spec, rank=rank, costs=strategy.calibrated_costs)
         emulator.instrument(measured_blocks, names=_block_names(blocks))
     try:
         measured = measure_blocks(

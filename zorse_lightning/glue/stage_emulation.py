@@ -27,7 +27,9 @@ class StageEmulation:
         and the profile behind its prediction use the same costs), else on costs calibrated at first use."""
         rank = strategy.global_rank
         costs = strategy.calibrated_costs
-        emulator = ComputeEmulator(emulation_spec_for_rank(strategy.inventory, rank), rank=rank, costs=costs)
+        emulator = ComputeEmulator(
+            emulation_spec_for_rank(strategy.inventory, rank, strategy.emulation_slowdown), rank=rank, costs=costs
+        )
         module = strategy.lightning_module
         named = named_emulated_modules(module)
         if engine.cut is None:

@@ -27,6 +27,8 @@ from typing_extensions import override
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.glue.detection import detect_cluster
+from zorse_lightning.engine.emulation import DEFAULT_FASTEST_SLOWDOWN
+from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy, Watchdog
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
@@ -59,6 +61,7 @@ class ZorseStrategy(ProcessStrategy):
         block_path: str | None = None,
         seed: int = 0,
         emulate: bool | None = None,
+        emulation_slowdown: float = DEFAULT_FASTEST_SLOWDOWN,
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: StartMethod = "popen",
         schedule: str | None = None,
@@ -80,6 +83,13 @@ class ZorseStrategy(ProcessStrategy):
             kwargs["cluster_environment"] = HeterogeneousEnvironment()
         super().__init__(**kwargs)
         self._cluster_source = cluster
+        if not emulation_slowdown >= 1.0:
+            raise ZorseUserError(
+                f"emulation_slowdown={emulation_slowdown!r} must be >= 1 (the fastest emulated type runs that many "
+                f"times slower than this CPU, so its real compute can meet its deadlines); the default is "
+                f"{DEFAULT_FASTEST_SLOWDOWN}"
+            )
+        self.emulation_slowdown = emulation_slowdown
         self._inventory: ClusterInventory | None = None
         self._plan_source = plan
         self._plan: Plan | None = None
