@@ -42,17 +42,6 @@ EXPECTED_OBJECT_GATHERS = [1, 1, 1, 2, 2, 3, 3, 4, 5, 6, 6]
 5-6); 8 (rank 0's options); 9 (rank 0 drops "loss", rank 2 starts); the steps between reuse the layout."""
 
 
-def _reference(records: dict[str, LoggedValue]) -> dict[str, LoggedValue]:
-    """The object-gather merge as it was before the cached path, kept here to compare against."""
-    gathered: list[dict[str, LoggedValue] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    merged: dict[str, LoggedValue] = {}
-    for rank_records in gathered:
-        for name, record in (rank_records or {}).items():
-            merged.setdefault(name, LoggedValue(kwargs=record.kwargs)).merge(record)
-    return merged
-
-
 def _rows(merged: dict[str, LoggedValue]) -> list[list[Any]]:
     return [[name, record.kwargs, record.total, record.samples] for name, record in merged.items()]
 
@@ -69,7 +58,6 @@ def _worker(rank: int, out_dir: Path) -> list[dict[str, Any]]:
             steps.append({
                 "cached": _rows(capture.merged_over_ranks(merger)),
                 "plain": _rows(capture.merged_over_ranks()),
-                "reference": _rows(_reference(capture.records)),
                 "object_gathers": merger.object_gathers,
             })
         return steps
@@ -85,7 +73,7 @@ def results(tmp_path_factory) -> list[list[dict[str, Any]]]:
 def test_cached_merge_equals_the_object_gather_bit_for_bit_on_every_rank(results):
     for rank, steps in enumerate(results):
         for step, merged in enumerate(steps):
-            assert merged["cached"] == merged["reference"] == merged["plain"], (rank, step)
+            assert merged["cached"] == merged["plain"], (rank, step)  # plain: the object gather, as before
             assert merged["cached"] == results[0][step]["cached"], (rank, step)
 
 
