@@ -179,7 +179,6 @@ def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
 def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
-    profile = ctx.profile
     by_type = {
         t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute)
         for t in set(stage.gpu_types)
@@ -187,17 +186,24 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     times = tuple(by_type[t] for t in stage.gpu_types)
     totals = [t.total_ms for t in times]
     counts = list(stage.microbatches_per_rank)
-    parameters = stage_parameters(profile, stage.layers, first=first, last=last)
-    gradient_bytes = parameters * state_bytes_per_parameter(profile.dtype).gradients
-    sync = stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, stage.sharding is not Sharding.NONE)
     return StageCost(
         times=times,
         busy_ms=stage_busy_ms(totals, counts),
         latency_ms=stage_latency_ms(totals, counts),
-        sync_ms=sync,
+        sync_ms=stage_own_sync_ms(ctx, plan, index),
         memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()),
         update_ms=stage_update_ms(ctx, plan, index),
     )
+
+
+def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> float:
+    """Synchronisation of stage ``index`` (or of ``stage`` put in its place) over its own group:
+    the gradients' all-reduce, and the updated weights' when it shards optimizer state."""
+    stage = stage or plan.stages[index]
+    first, last = index == 0, index == len(plan.stages) - 1
+    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
+    gradient_bytes = parameters * state_bytes_per_parameter(ctx.profile.dtype).gradients
+    return stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, stage.sharding is not Sharding.NONE)
 
 
 def stage_update_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> tuple[float, ...]:

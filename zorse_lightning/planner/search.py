@@ -36,8 +36,9 @@ from zorse_lightning.planner.evaluate import (
     memory_overruns,
     plan_cost,
     prediction,
-    stage_cost,
     stage_memory,
+    stage_own_sync_ms,
+    stage_update_ms,
     update_lower_bound_ms,
 )
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
@@ -321,8 +322,8 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
         if not fits:
             continue
         shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
-        own = stage_cost(ctx, replace(plan, stages=(*plan.stages[:i], unsharded, *plan.stages[i + 1 :])), i)
-        if shared_sync_ms + own.sync_ms + max(own.update_ms) <= cost.tail_ms:
+        own_sync_ms = stage_own_sync_ms(ctx, plan, i, unsharded)
+        if shared_sync_ms + own_sync_ms + max(stage_update_ms(ctx, plan, i, unsharded)) <= cost.tail_ms:
             stages[i] = unsharded
     if stages == list(plan.stages):
         return replace(plan, predicted=prediction(ctx, plan, cost))
