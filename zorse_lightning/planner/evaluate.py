@@ -278,6 +278,14 @@ def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tup
     )
 
 
+def _link_transfer_ms(ctx: CostContext, src: int, dst: int, message_bytes: float, by_link: dict) -> float:
+    """One message from ``src`` to ``dst``, priced once per link in ``by_link`` (many routes share one)."""
+    key, bandwidth_gbps, latency_us = ctx.links.link(src, dst)
+    if key not in by_link:
+        by_link[key] = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
+    return by_link[key]
+
+
 def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:
     """Per stage, per rank: the transfers it waits for per microbatch (see :func:`receiving_busy_ms`).
 
@@ -291,9 +299,10 @@ def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[Bo
     slowest: dict[tuple[int, int, str], float] = {}  # (stage, rank, "previous" | "next" stage) -> ms
     for i, boundary in enumerate(boundaries):
         message_bytes = boundary_message_bytes(ctx, plan, i)
+        by_link: dict = {}
         for a, b, _ in boundary.routes:
-            forward = transfer_ms(message_bytes, *ctx.links.link(a, b)[1:])
-            back = transfer_ms(message_bytes, *ctx.links.link(b, a)[1:])
+            forward = _link_transfer_ms(ctx, a, b, message_bytes, by_link)
+            back = _link_transfer_ms(ctx, b, a, message_bytes, by_link)
             for key, ms in (((i + 1, b, "previous"), forward + back), ((i, a, "next"), back)):
                 slowest[key] = max(slowest.get(key, 0.0), ms)
     position = [{r: k for k, r in enumerate(stage.ranks)} for stage in plan.stages]
@@ -323,8 +332,14 @@ def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
         waiting = round_trip_busy_ms(totals, counts, in_flight, sum(latencies[element + 1 :]))
         busy[element] = max(busy[element], waiting, receiving_busy_ms(totals, counts, receive[i]))
     tied = tied_sync_ms(ctx, plan.stages[0].ranks, plan.stages[-1].ranks) if len(stages) > 1 else 0.0
-    cost = PlanCost(stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied)
-    return replace(cost, sync_ms=max(cost.stage_sync_ms(i) for i in range(len(stages))))
+    return with_stage_costs(PlanCost(stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied), stages)
+
+
+def with_stage_costs(cost: PlanCost, stages: tuple[StageCost, ...]) -> PlanCost:
+    """``cost`` with these stage costs, for a plan whose stages differ only in what they do after
+    their last backward (sharding): the pipeline is the same, the synchronisation is recomputed."""
+    changed = replace(cost, stages=stages)
+    return replace(changed, sync_ms=max(changed.stage_sync_ms(i) for i in range(len(stages))))
 
 
 def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tuple[int, ...]) -> float:

@@ -36,13 +36,15 @@ from zorse_lightning.planner.evaluate import (
     memory_overruns,
     plan_cost,
     prediction,
+    stage_cost,
     stage_memory,
     stage_own_sync_ms,
     stage_update_ms,
     update_lower_bound_ms,
+    with_stage_costs,
 )
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.heuristic import balanced_plan, priced, speed_by_type
+from zorse_lightning.planner.heuristic import balanced_plan, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -327,7 +329,12 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
             stages[i] = unsharded
     if stages == list(plan.stages):
         return replace(plan, predicted=prediction(ctx, plan, cost))
-    return priced(ctx, replace(plan, stages=tuple(stages)))
+    unsharded_plan = replace(plan, stages=tuple(stages))
+    stage_costs = tuple(
+        stage_cost(ctx, unsharded_plan, i) if new is not old else cost.stages[i]
+        for i, (new, old) in enumerate(zip(stages, plan.stages))
+    )
+    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, stage_costs)))
 
 
 def _unsharded(stage: StagePlan) -> StagePlan:
