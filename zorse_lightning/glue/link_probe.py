@@ -7,9 +7,9 @@ exchange of updated weights) is priced from the inventory's
 NVLink, "gloo over loopback"), not what a collective of the model's gradient
 bytes achieves through the backend on these processes: on the 2-core CPU
 machine that emulates cpu_sim4, gloo's all-reduce of 13 MB among 4 ranks
-delivers about a third of the configured 10 Gbit/s, and the planner, believing
+measured about 6 Gbit/s against the configured 10, and the planner, believing
 the configured rate, sharded optimizer state whose weight exchange then cost
-three times its price. So each machine with several ranks all-reduces the
+40-70 ms a step against the 16 ms it was priced at. So each machine with several ranks all-reduces the
 model's gradient bytes (:data:`MAX_PROBE_BYTES` at most) a few times; where the
 rate that reproduces the measured time (:func:`effective_bandwidth_gbps`) is
 below the configured one, the planner gets the measured rate, and the plan's
