@@ -161,6 +161,14 @@ class ClusterInventory:
         return len(self.gpus)
 
     @cached_property
+    def ranks_by_machine(self) -> dict[str, tuple[int, ...]]:
+        """Each machine's global ranks, machines in inventory order (a machine's GPUs are consecutive ranks)."""
+        ranks: dict[str, list[int]] = {m.name: [] for m in self.machines}
+        for rank, gpu in enumerate(self.gpus):
+            ranks[gpu.machine].append(rank)
+        return {name: tuple(r) for name, r in ranks.items()}
+
+    @cached_property
     def _machine_by_name(self) -> dict[str, Machine]:
         return {m.name: m for m in self.machines}
 

@@ -79,19 +79,12 @@ def probe_bytes(module: torch.nn.Module) -> int:
     return int(min(max(total, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
 
 
-def _machine_ranks(inventory: ClusterInventory) -> list[tuple[str, list[int]]]:
-    ranks: dict[str, list[int]] = {}
-    for rank, gpu in enumerate(inventory.gpus):
-        ranks.setdefault(gpu.machine, []).append(rank)
-    return [(m.name, ranks[m.name]) for m in inventory.machines]
-
-
 def probe_machines(
     inventory: ClusterInventory, rank: int, device: torch.device, num_bytes: int
 ) -> list[MachineAllReduce]:
     """Every machine with several ranks times an all-reduce of ``num_bytes`` among them, all machines
     at once (collective: every rank calls it; the same list on every rank)."""
-    machines = [(name, ranks) for name, ranks in _machine_ranks(inventory) if len(ranks) > 1]
+    machines = [(name, ranks) for name, ranks in inventory.ranks_by_machine.items() if len(ranks) > 1]
     groups = {name: dist.new_group(ranks) for name, ranks in machines}  # every rank creates every group
     mine = inventory.gpus[rank].machine
     median_ms = 0.0

@@ -77,10 +77,7 @@ def proportional_heuristic(
     """One stage per machine, fastest machines first; layers and microbatches by speed."""
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
     speeds = speed_by_type(ctx)
-    machines = {}
-    for rank, gpu in enumerate(inventory.gpus):
-        machines.setdefault(gpu.machine, []).append(rank)
-    groups = sorted(machines.values(), key=lambda ranks: -sum(speeds[inventory.gpus[r].gpu_type.name] for r in ranks) / len(ranks))
+    groups = sorted(inventory.ranks_by_machine.values(), key=lambda ranks: -sum(speeds[inventory.gpus[r].gpu_type.name] for r in ranks) / len(ranks))
     if len(groups) > profile.num_layers:
         return None
     layout = tuple(tuple(g) for g in groups)

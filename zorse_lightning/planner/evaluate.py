@@ -165,15 +165,15 @@ def boundary_message_bytes(ctx: CostContext, plan: Plan, index: int) -> float:
 def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     sender, receiver = plan.stages[index], plan.stages[index + 1]
     message_bytes = boundary_message_bytes(ctx, plan, index)
-    per_link: dict = {}
+    one_ms: dict = {}  # per link: one message
+    messages: dict = {}  # per link: messages per iteration
     route_list = routes(sender, receiver)
     for a, b, count in route_list:
-        key, bandwidth_gbps, latency_us = ctx.links.link(a, b)
-        if key not in per_link:
-            per_link[key] = [transfer_ms(message_bytes, bandwidth_gbps, latency_us), 0]
-        per_link[key][1] += count
-    slowest = max((one for one, _ in per_link.values()), default=0.0)
-    return BoundaryCost(slowest, max((one * count for one, count in per_link.values()), default=0.0), tuple(route_list))
+        _link_transfer_ms(ctx, a, b, message_bytes, one_ms)
+        key = ctx.links.link(a, b)[0]
+        messages[key] = messages.get(key, 0) + count
+    slowest = max(one_ms.values(), default=0.0)
+    return BoundaryCost(slowest, max((one_ms[k] * n for k, n in messages.items()), default=0.0), tuple(route_list))
 
 
 def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
