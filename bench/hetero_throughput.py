@@ -235,6 +235,7 @@ def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallC
     for rank, gpu in enumerate(inventory.gpus):
         first_of_type.setdefault(gpu.gpu_type.name, rank)
     emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0), costs=costs)
+    emulator.batch_samples = config.per_rank_batch
     named = named_emulated_modules(model)
     emulator.instrument([m for _, m in named], names=[n for n, _ in named])
     optimizer = model.configure_optimizers()

@@ -111,6 +111,41 @@ def test_costs_are_per_sample_and_shared_by_batch_sizes() -> None:
     assert list(emulator.calibrated_costs.values()) == [cost]
 
 
+class _Positions(nn.Module):
+    """GPT-style: tokens (batch, time) embedded, plus one position table row per time step (no batch)."""
+
+    def __init__(self, time_steps: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(32, width)
+        self.positions = nn.Embedding(time_steps, width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+
+
+def test_a_call_without_the_batch_is_charged_once_whatever_the_batch() -> None:
+    """Told the step's samples, the emulator charges the position lookup per call; per sample (the old
+    reading of its 16 positions as 16 samples) it would cost as much as 16 samples' tokens."""
+    model = _Positions()
+    emulator = ComputeEmulator(EmulationSpec("t4", 2.0, 1 << 30))
+    emulator.instrument([model.tokens, model.positions], names=["tokens", "positions"])
+    charged = []
+    for samples in (2, 8):
+        emulator.batch_samples = samples
+        before = emulator.emulated_compute_s
+        with torch.no_grad():
+            model(torch.randint(0, 32, (samples, 16)))
+        charged.append(emulator.emulated_compute_s - before)
+    costs = emulator.calibrated_costs
+    assert sorted(costs) == ["positions|whole:(16,):torch.int64", "tokens|(16,):torch.int64"]
+    token, table = costs["tokens|(16,):torch.int64"], costs["positions|whole:(16,):torch.int64"]
+    assert charged == pytest.approx([2.0 * (s * token.forward_s_per_sample + table.forward_s_per_sample) for s in (2, 8)])
+    emulator.batch_samples = None  # not told: the positions' dim 0 reads as 16 samples
+    with torch.no_grad():
+        model(torch.randint(0, 32, (2, 16)))
+    assert "positions|():torch.int64" in emulator.calibrated_costs
+
+
 def test_nested_modules_are_refused_and_the_cover_has_no_nesting() -> None:
     class Gpt(nn.Module):
         def __init__(self) -> None:

@@ -191,6 +191,10 @@ class ComputeEmulator:
         self._counters = _Counters()
         self._memory = MemoryMeter()
         self._memory_tracked = False
+        self.batch_samples: int | None = None
+        """Samples of the step (or microbatch) now running, set by whoever runs it: a call whose first
+        input's dim 0 differs is charged once per call, not per sample (:func:`batch_size_and_signature`).
+        None: every call's dim 0 counts as its samples."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -320,16 +324,15 @@ class ComputeEmulator:
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            samples, signature = batch_size_and_signature(args, kwargs)
+            samples, signature = batch_size_and_signature(args, kwargs, self.batch_samples)
             key = cost_key(name, signature)
             cost = self._costs.get(key)
             if cost is None:
                 cost = self._costs[key] = calibrate_call(module, args, kwargs, samples)
-            call = _Call(start=time.perf_counter(), emulated_s=self.spec.slowdown * cost.forward_s_per_sample * samples)
+            charged = self.spec.slowdown * (samples or 1)
+            call = _Call(start=time.perf_counter(), emulated_s=charged * cost.forward_s_per_sample)
             if torch.is_grad_enabled():
-                call.window = BackwardWindow(
-                    emulated_s=self.spec.slowdown * cost.backward_s_per_sample * samples, on_end=self._end_backward
-                )
+                call.window = BackwardWindow(emulated_s=charged * cost.backward_s_per_sample, on_end=self._end_backward)
                 (args, kwargs), marked = wrap_for_backward((args, kwargs), BackwardEndMarker, call.window)
                 call.window.has_end_marker = marked > 0
                 if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:

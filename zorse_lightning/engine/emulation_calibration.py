@@ -40,13 +40,16 @@ def min_costs(gathered: Iterable[Mapping[str, CallCost] | None]) -> dict[str, Ca
     return merged
 
 
-def calibrate_modules(named_modules: Sequence[tuple[str, nn.Module]], run: Callable[[], Any]) -> dict[str, CallCost]:
-    """Costs of every named module that ``run()`` calls, calibrated at its first call (nothing is slowed)."""
+def calibrate_modules(
+    named_modules: Sequence[tuple[str, nn.Module]], run: Callable[[], Any], batch_samples: int | None = None
+) -> dict[str, CallCost]:
+    """Costs of every named module that ``run()`` calls, calibrated at its first call (nothing is slowed);
+    ``batch_samples``: the samples ``run`` steps on (:attr:`ComputeEmulator.batch_samples`)."""
     costs: dict[str, CallCost] = {}
 
     def pre_hook(name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            samples, signature = batch_size_and_signature(args, kwargs)
+            samples, signature = batch_size_and_signature(args, kwargs, batch_samples)
             key = cost_key(name, signature)
             if key not in costs:
                 costs[key] = calibrate_call(module, args, kwargs, samples)
@@ -63,7 +66,8 @@ def calibrate_modules(named_modules: Sequence[tuple[str, nn.Module]], run: Calla
 
 
 def calibrate_in_turn(
-    named_modules: Sequence[tuple[str, nn.Module]], run: Callable[[], Any], group: Any = None
+    named_modules: Sequence[tuple[str, nn.Module]], run: Callable[[], Any], group: Any = None,
+    batch_samples: int | None = None,
 ) -> dict[str, CallCost]:
     """:func:`calibrate_modules` on each rank of ``group`` in turn, then the minimum over ranks (collective).
 
@@ -72,12 +76,12 @@ def calibrate_in_turn(
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return calibrate_modules(named_modules, run)
+        return calibrate_modules(named_modules, run, batch_samples)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     mine: dict[str, CallCost] = {}
     for turn in range(world):
         if turn == me:
-            mine = calibrate_modules(named_modules, run)
+            mine = calibrate_modules(named_modules, run, batch_samples)
         dist.barrier(group)
     gathered: list[dict[str, CallCost] | None] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)

@@ -40,7 +40,8 @@ its calibrated cost and the deadline leaves it the full slowdown as margin (at
 @dataclass(frozen=True)
 class CallCost:
     """Calibrated real CPU seconds of one module call, per sample (``n`` = the first input's dim 0), taken at
-    :data:`CALIBRATION_SAMPLES` samples."""
+    :data:`CALIBRATION_SAMPLES` samples; for a call whose input does not carry the batch (see
+    :func:`batch_size_and_signature`), seconds of the whole call, taken as it came."""
 
     forward_s_per_sample: float
     backward_s_per_sample: float
@@ -131,24 +132,33 @@ class BackwardEndMarker(_IdentityMarker):
         return (None, *grads)
 
 
-def batch_size_and_signature(args: tuple, kwargs: dict) -> tuple[int, str]:
+def batch_size_and_signature(args: tuple, kwargs: dict, batch_samples: int | None = None) -> tuple[int | None, str]:
     """Samples in a call (dim 0 of the first tensor input) and a key for its per-sample shape.
 
     Costs are kept per sample so that uneven microbatches of the same shape
     share one calibration, and the key is a string so ranks can exchange it.
+    ``batch_samples``: the samples of the step now running, when known. A call
+    whose first tensor's dim 0 differs from it does not carry the batch (GPT's
+    positions, a mask or a table shared by every sample): its cost does not grow
+    with the batch, so it is charged once per call (samples ``None``), keyed by
+    its whole shapes. Read per sample, the 128 positions of a GPT were charged
+    as 128 samples: 105 ms a microbatch on an emulated T4 for a lookup a GPU
+    does in microseconds, which made small microbatches look slow.
     """
     tensors = flatten_tensors((args, kwargs))
     if not tensors:
         return 1, "()"
     first = tensors[0]
     samples = int(first.shape[0]) if first.dim() > 0 else 1
+    if batch_samples is not None and first.dim() > 0 and samples != batch_samples:
+        return None, "whole:" + ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
     signature = ";".join(f"{tuple(t.shape[1:])}:{t.dtype}" for t in tensors)
     return max(samples, 1), signature
 
 
-def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int) -> CallCost:
-    """Time the module's forward and backward on this input resized to :data:`CALIBRATION_SAMPLES` samples,
-    without side effects on training.
+def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | None) -> CallCost:
+    """Time the module's forward and backward on this input resized to :data:`CALIBRATION_SAMPLES` samples
+    (``samples`` None: on this input as it is, for a cost per call), without side effects on training.
 
     Tensors whose dim 0 is the call's ``samples`` are cut or repeated to the
     fixed size (others, such as masks shared by the batch, are kept). Runs on detached copies of the inputs, takes gradients with
@@ -177,12 +187,13 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int) -
     with torch.no_grad():
         for buffer, saved in buffers:
             buffer.copy_(saved)
-    return CallCost(min(forward_s[1:]) / CALIBRATION_SAMPLES, min(backward_s[1:]) / CALIBRATION_SAMPLES)
+    per = CALIBRATION_SAMPLES if samples is not None else 1
+    return CallCost(min(forward_s[1:]) / per, min(backward_s[1:]) / per)
 
 
-def _resized(tensor: torch.Tensor, samples: int) -> torch.Tensor:
+def _resized(tensor: torch.Tensor, samples: int | None) -> torch.Tensor:
     """``tensor`` with :data:`CALIBRATION_SAMPLES` along dim 0 when that dim holds the call's ``samples``."""
-    if tensor.dim() == 0 or tensor.shape[0] != samples or samples == CALIBRATION_SAMPLES:
+    if samples is None or tensor.dim() == 0 or tensor.shape[0] != samples or samples == CALIBRATION_SAMPLES:
         return tensor
     repeats = -(-CALIBRATION_SAMPLES // samples)
     return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:CALIBRATION_SAMPLES]

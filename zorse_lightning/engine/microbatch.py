@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def microbatch_slice(batch: Any, position: int, microbatch_size: int) -> Any:
@@ -18,3 +18,9 @@ def microbatch_slice(batch: Any, position: int, microbatch_size: int) -> Any:
         return leaf
 
     return tree_map(take, batch)
+
+
+def samples_in(batch: Any) -> int:
+    """Samples in ``batch``: the smallest dim 0 of its tensors (1 when it holds no batched tensor)."""
+    sizes = [len(t) for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return min(sizes, default=1)

@@ -27,6 +27,7 @@ from zorse_lightning.engine.emulation import (
     emulated_modules,
     emulation_spec_for_rank,
 )
+from zorse_lightning.engine.microbatch import samples_in
 from zorse_lightning.errors import InventoryError
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ class EmulateCluster(Callback):
     """Makes each rank emulate its GPU type of ``cluster`` (a config name, path, mapping or inventory).
 
     ``modules`` picks what to slow down (default :func:`emulated_modules`: the
-    blocks, plus every other child with parameters). Costs are calibrated at
+    blocks, plus every other child with parameters). Each batch's samples are
+    told to the emulator, which charges calls that do not carry the batch once
+    per call. Costs are calibrated at
     first use and agreed across ranks (minimum) after the first training batch;
     memory is checked during every emulated forward and backward and after
     every batch; the peak per rank is logged at the end of fit.
@@ -84,6 +87,25 @@ class EmulateCluster(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.emulator.track_memory(pl_module, trainer.optimizers)
+
+    def _set_batch(self, batch: Any) -> None:
+        self.emulator.batch_samples = samples_in(batch)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._set_batch(batch)
+
+    @override
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._set_batch(batch)
+
+    @override
+    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._set_batch(batch)
+
+    @override
+    def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._set_batch(batch)
 
     @override
     def on_train_batch_end(

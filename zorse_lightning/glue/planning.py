@@ -195,7 +195,7 @@ def plan_at_start(strategy: Any, loader: DataLoader) -> Plan:
     example = _first_block_input(strategy, blocks, batch)
     if inventory.emulated and strategy.root_device.type == "cpu":
         strategy.calibrated_costs = calibrate_in_turn(
-            named_emulated_modules(strategy.lightning_module), lambda: _one_sample_step(strategy, batch)
+            named_emulated_modules(strategy.lightning_module), lambda: _one_sample_step(strategy, batch), batch_samples=1
         )
     measured = [None] * strategy.world_size
     dist.all_gather_object(measured, _measure_my_type(strategy, blocks, batch, example, inventory))

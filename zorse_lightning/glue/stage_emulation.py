@@ -30,6 +30,7 @@ class StageEmulation:
         emulator = ComputeEmulator(
             emulation_spec_for_rank(strategy.inventory, rank, strategy.emulation_slowdown), rank=rank, costs=costs
         )
+        emulator.batch_samples = strategy.plan.microbatch_size  # the engine calls the step per microbatch
         module = strategy.lightning_module
         named = named_emulated_modules(module)
         if engine.cut is None:

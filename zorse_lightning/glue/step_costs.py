@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from zorse_lightning.engine.blocks import BlockList
 from zorse_lightning.engine.emulation import (
@@ -25,7 +24,7 @@ from zorse_lightning.engine.emulation import (
     emulation_spec_for_rank,
     named_emulated_modules,
 )
-from zorse_lightning.engine.microbatch import microbatch_slice
+from zorse_lightning.engine.microbatch import microbatch_slice, samples_in
 from zorse_lightning.glue.log_capture import LogCapture, capturing_logs
 from zorse_lightning.profiling.measure import synchronize
 from zorse_lightning.profiling.profile import BlockTimes, TimeCurve
@@ -76,7 +75,7 @@ def measure_step_edges(
                blocks.blocks[-1].register_forward_hook(mark("last"))]
     before_ms: list[float] = []
     after_ms: list[float] = []
-    samples = min(len(t) for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0)
+    samples = samples_in(batch)
     try:
         for size in range(1, min(max_microbatch_size, samples) + 1):
             micro = microbatch_slice(batch, 0, size)
@@ -132,9 +131,15 @@ def measure_rank_step_costs(strategy: Any, blocks: BlockList, batch: Any) -> tup
         emulator = ComputeEmulator(spec, rank=strategy.global_rank, costs=strategy.calibrated_costs)
         named = named_emulated_modules(module)
         emulator.instrument([m for _, m in named], names=[n for n, _ in named])
+
+    def step(micro: Any) -> Any:
+        if emulator is not None:
+            emulator.batch_samples = samples_in(micro)
+        return module.training_step(micro, 0)
+
     try:
         with capturing_logs(module, LogCapture(1)):
-            edges = measure_step_edges(lambda micro: module.training_step(micro, 0), blocks, batch, strategy.root_device)
+            edges = measure_step_edges(step, blocks, batch, strategy.root_device)
     finally:
         if emulator is not None:
             emulator.remove()
