@@ -198,6 +198,24 @@ def test_bytes_held_match_a_hand_count() -> None:
     assert emulator.memory_breakdown().activation_bytes == 0  # autograd freed what it saved
 
 
+def test_the_checks_inside_calls_see_gradients_and_optimizer_state_come_and_go() -> None:
+    """The per-call check reuses the last count of the training state only while it cannot have changed."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+    emulator = ComputeEmulator(EmulationSpec("t4", 3.0, 1 << 30))
+    emulator.instrument([module])
+    optimizer = torch.optim.Adam(module.parameters())
+    emulator.track_memory(module, [optimizer])
+    emulator.check_memory()
+    module(torch.randn(10, 32, requires_grad=True)).sum().backward()  # its backward's check counts the gradients
+    assert emulator.peak_memory_breakdown.gradient_bytes == PARAM_BYTES
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    held = emulator.check_memory(recount=False)
+    assert (held.gradient_bytes, held.optimizer_state_bytes) == (0, ADAM_BYTES)
+    assert held == emulator.check_memory()  # the same as a full count
+
+
 def test_budget_exceeded_raises_a_clear_error() -> None:
     budget = 2 * PARAM_BYTES + ADAM_BYTES + SAVED_BYTES - 1  # the training state fits, one more forward does not
     module, emulator, _ = _memory_case(budget)

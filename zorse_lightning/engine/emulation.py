@@ -259,9 +259,10 @@ class ComputeEmulator:
     def peak_memory_breakdown(self) -> MemoryBreakdown | None:
         return self._memory.peak_breakdown
 
-    def check_memory(self) -> MemoryBreakdown:
-        """Measure, and raise :class:`EmulatedOutOfMemoryError` when over budget."""
-        held = self._memory.measure()
+    def check_memory(self, recount: bool = True) -> MemoryBreakdown:
+        """Measure, and raise :class:`EmulatedOutOfMemoryError` when over budget (``recount``: see
+        :meth:`MemoryMeter.measure`; the checks inside module calls keep the state's last count)."""
+        held = self._memory.measure(recount)
         if held.total_bytes > self.spec.memory_budget_bytes:
             who = self.spec.gpu_type if self.rank is None else f"{self.spec.gpu_type} (rank {self.rank})"
             raise EmulatedOutOfMemoryError(out_of_memory_message(who, self.spec.memory_budget_bytes, held))
@@ -352,7 +353,7 @@ class ComputeEmulator:
                 call.saved_tensors.__exit__(None, None, None)
             if sys.exc_info()[1] is not None:
                 return None  # the forward raised: nothing to time, the error propagates
-            self.check_memory()
+            self.check_memory(recount=False)
             self._finish(call.start, call.emulated_s)
             if call.window is not None:
                 output, _ = wrap_for_backward(output, BackwardStartMarker, call.window)
@@ -363,7 +364,7 @@ class ComputeEmulator:
     def _end_backward(self, window: BackwardWindow) -> None:
         if window.start is None:
             return
-        self.check_memory()
+        self.check_memory(recount=False)
         if window.has_end_marker:
             self._finish(window.start, window.emulated_s)
             return
