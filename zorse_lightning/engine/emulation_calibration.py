@@ -23,7 +23,8 @@ from zorse_lightning.engine.emulation_timing import CallCost, batch_size_and_sig
 
 
 def cost_key(name: str, signature: str) -> str:
-    """Key of a calibrated cost: the module's name and its per-sample input shapes."""
+    """Key of a calibrated cost: the module's name and its per-sample input shapes (``whole:`` and the
+    whole shapes for a call charged once per call)."""
     return f"{name}|{signature}"
 
 
