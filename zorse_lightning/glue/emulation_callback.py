@@ -39,8 +39,8 @@ class EmulateCluster(Callback):
     ``modules`` picks what to slow down (default :func:`emulated_modules`: the
     blocks, plus every other child with parameters). Each batch's samples are
     told to the emulator, which charges calls that do not carry the batch once
-    per call. Costs are calibrated at
-    first use and agreed across ranks (minimum) after the first training batch;
+    per call. Costs are calibrated at first use and agreed across ranks
+    (minimum) after the first training batch;
     memory is checked during every emulated forward and backward and after
     every batch; the peak per rank is logged at the end of fit.
     """
