@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU wheel of torch lies on this machine's disk; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test setup
+.PHONY: demo test test-fast setup
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -20,3 +20,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The single-process part alone (planner, profiles, emulation, schedules): seconds.
+test-fast: setup
+	$(PY) -m pytest -q -m "not multiprocess"

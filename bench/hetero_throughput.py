@@ -51,17 +51,17 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.engine.emulation import (
+from zorse_lightning.emulation.emulator import (
     ComputeEmulator,
     emulation_spec_for_rank,
     named_emulated_modules,
 )
-from zorse_lightning.engine.emulation_timing import CallCost
-from zorse_lightning.glue.emulation_callback import EmulateCluster
-from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.emulation.timing import CallCost
+from zorse_lightning.emulation.callback import EmulateCluster
+from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.search import PlannerOptions
-from zorse_lightning.testing.launch import free_port
+from testing.launch import free_port
 
 CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")
 """2 ranks at 1 : 2.5 and 1 : 4.8, 4 ranks at 1 : 2.5 : 4.8 : 4.8."""

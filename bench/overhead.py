@@ -46,13 +46,13 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.engine.emulation import ComputeEmulator
-from zorse_lightning.glue.emulation_callback import EmulateCluster
-from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.emulation.emulator import ComputeEmulator
+from zorse_lightning.emulation.callback import EmulateCluster
+from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.testing.launch import free_port
-from zorse_lightning.testing.plans import hand_plan
-from zorse_lightning.testing.timing import StepTimer
+from testing.launch import free_port
+from testing.plans import hand_plan
+from testing.timing import StepTimer
 
 WORLD_SIZE = 2
 CLUSTER = {

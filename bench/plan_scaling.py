@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.plan_scaling
     .venv/bin/python -m bench.plan_scaling --gpus 8 32 --model llama_7b
 
-Clusters: :func:`bench.synthetic_cluster.synthetic_cluster`, machines of 8 GPUs of
+Clusters: :func:`testing.synthetic_cluster.synthetic_cluster`, machines of 8 GPUs of
 four types (A100-40GB, V100-16GB, A10G, T4) on links of three speeds (inside a
 machine, inside a rack of four machines, between racks). Model: a reference model
 (default ``llama_7b``, 32 layers: enough for deep pipelines, too big for plain data
@@ -26,7 +26,7 @@ import warnings
 from rich.console import Console
 from rich.table import Table
 
-from bench.synthetic_cluster import synthetic_cluster
+from testing.synthetic_cluster import synthetic_cluster
 from zorse_lightning.planner import PlannerOptions, make_plan
 from zorse_lightning.profiling import MixedProfileSourcesWarning, reference_profile
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zorse_lightning.testing.launch import free_port
+from testing.launch import free_port
 
 KILLED_AT = 3
 PHASES = (("process_group", "fit", "read_state_start"), ("read_state", "read_state_start", "read_state_end"),
@@ -60,11 +60,11 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, args: argpars
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.engine.faults import FaultPolicy
-    from zorse_lightning.glue.fast_recovery import RecoveryPolicy
-    from zorse_lightning.glue.strategy import ZorseStrategy
+    from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
+    from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
-    from zorse_lightning.testing.launch import torchrun_variables
-    from zorse_lightning.testing.plans import hand_plan
+    from testing.launch import torchrun_variables
+    from testing.plans import hand_plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_faults import CLUSTER as THREE_RANKS

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/slow_link.py                 # as root (network namespaces); about 5 minutes
 
-Each case is two "machines" (network namespaces, :mod:`zorse_lightning.testing.netns`)
+Each case is two "machines" (network namespaces, :mod:`testing.netns`)
 of two emulated CPU ranks each, joined by a link shaped with ``tc ... tbf``:
 
 - ``two_machines_100mbit``: two alike machines (an A100 and a V100 each), 100 Mbit/s;
@@ -56,7 +56,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from zorse_lightning.testing.netns import NetnsCluster, NetnsMachine, NetnsNetwork
+from testing.netns import NetnsCluster, NetnsMachine, NetnsNetwork
 from zorse_lightning.units import gbps_to_mbps, mbps_to_gbps
 
 CASES = {
@@ -97,14 +97,14 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from zorse_lightning.cluster.config import load_cluster
-    from zorse_lightning.glue.environment import HeterogeneousEnvironment
-    from zorse_lightning.glue.planning import within_profiled_sizes
-    from zorse_lightning.glue.strategy import ZorseStrategy
+    from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+    from zorse_lightning.startup.planning import within_profiled_sizes
+    from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from zorse_lightning.planner.evaluate import CostContext, plan_cost
     from zorse_lightning.planner.search import PlannerOptions, make_plan
-    from zorse_lightning.testing.netns import uplink_sent_bytes
-    from zorse_lightning.testing.timing import StepTimer
+    from testing.netns import uplink_sent_bytes
+    from testing.timing import StepTimer
 
     torch.set_num_threads(1)
     mapping = json.loads(Path(cluster_file).read_text())

@@ -5,7 +5,7 @@ has no plugin entry points for strategies); nothing else happens at import time:
 no process group, no CUDA initialisation, no file or network access.
 """
 
-from zorse_lightning.glue.registration import register_with_lightning
+from zorse_lightning.strategy.registration import register_with_lightning
 
 register_with_lightning()
 

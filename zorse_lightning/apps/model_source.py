@@ -40,8 +40,8 @@ def profile_from_config(model_cfg: Any, inventory: ClusterInventory, data_cfg: A
 
 def _measured_here(model_cfg: Any, data_cfg: Any, inventory: ClusterInventory) -> ModelProfile:
 
-    from zorse_lightning.engine.blocks import find_block_list
-    from zorse_lightning.engine.emulation import emulation_spec_for_rank
+    from zorse_lightning.module.blocks import find_block_list
+    from zorse_lightning.emulation.emulator import emulation_spec_for_rank
     from zorse_lightning.profiling.estimate import estimated_block_times
     from zorse_lightning.profiling.measure import MeasureOptions, assemble_profile, measure_blocks
 

@@ -20,7 +20,7 @@ from zorse_lightning.apps.hydra_support import CONF_DIR, register_schemas, repor
 from zorse_lightning.apps.planner_options import planner_options_from_config
 from zorse_lightning.apps.throughput import SamplesPerSecond
 from zorse_lightning.cluster.config import inventory_from_config
-from zorse_lightning.glue.strategy import ZorseStrategy
+from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.reporting.plan_table import plan_table
 from zorse_lightning.reporting.timeline import draw_plan_timeline

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from zorse_lightning.engine.blocks import BlockList
-from zorse_lightning.engine.probe import CutAnalysis
+from zorse_lightning.module.blocks import BlockList
+from zorse_lightning.module.cut_analysis import CutAnalysis
 from zorse_lightning.planner.plan import Plan
 
 META = torch.device("meta")

@@ -23,13 +23,13 @@ from torch import nn
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine import gradients
-from zorse_lightning.engine.blocks import BlockList, CutError, find_block_list
+from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
 from zorse_lightning.engine.cutting import StageCut, StageOutput, release_module
 from zorse_lightning.engine.groups import StageGroups
-from zorse_lightning.engine.microbatch import microbatch_slice
+from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport
-from zorse_lightning.engine.probe import CutAnalysis, probe_cut
-from zorse_lightning.engine.schedule import ActionKind, build_schedule
+from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
+from zorse_lightning.planner.schedule import ActionKind, build_schedule
 from zorse_lightning.engine.sharding import OptimizerShards, restrict_optimizer
 
 StepFn = Callable[[Any, int], Any]

@@ -113,7 +113,7 @@ def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
     microbatch; with only one, a narrow stage feeding a wide one kept a single
     microbatch per later stage in flight and the wide stage's ranks took turns
     (measured: 4.45 s a step against 1.5 s of compute, 1 rank feeding 3).
-    The engine's schedule (``engine/schedule.py``) and this memory model use
+    The engine's schedule (``planner/schedule.py``) and this memory model use
     this one count.
     """
     mine = stage_widths[stage_index]

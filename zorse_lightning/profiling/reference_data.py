@@ -2,7 +2,7 @@
 
 The file is a compact copy of the measured GPU data of the Zorse and Cephalo
 projects (MIT licence, see ``data/PROVENANCE.md``), written by
-:mod:`zorse_lightning.profiling.convert_reference`: only the models the alias
+:mod:`tools.convert_reference`: only the models the alias
 table of :mod:`zorse_lightning.profiling.reference` uses, GPU keys renamed to
 catalog names, numbers rounded to 7 significant digits, entry shapes kept as
 the source has them. This module is the only place that knows those shapes:

@@ -1,0 +1,209 @@
+"""Exactness of the engine: after N steps, parameters equal single-process training.
+
+Four gloo processes are started once and run every case of the list inside one
+process group (each start costs seconds on this machine). Each rank also trains
+the single-process reference on the whole global batches itself, and compares
+the parameters it holds, the losses and the placement of weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.groups import build_groups
+from zorse_lightning.models.gpt import GPT
+from testing.launch import spawn_ranks
+from testing.plans import hand_plan
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+STEPS = 3
+MICROBATCH = 2
+SEQ, VOCAB = 8, 64
+BUCKET_BYTES = 16 * 1024
+"""Several gradient buckets per stage of the small test model, so that overlapped reduction is exercised."""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stages: list
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    sharding: Sharding = Sharding.NONE
+    fractions: dict | None = None
+    clip: float | None = None
+    accumulate: int = 1
+    recompute: bool = False
+    reduce_in_backward: bool = True
+    """Start the stage's gradient all-reduce during the last backward (the last accumulation run)."""
+
+
+CASES = [
+    Case("two_stages_1f1b_accumulate", [((0, 1), (2, 2), (0, 2)), ((2, 3), (3, 1), (2, 4))], accumulate=2),
+    Case("one_then_three_5_2_1_clip", [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 4))], clip=0.05),
+    Case(
+        "data_parallel_uneven_sharded",
+        [((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))],
+        sharding=Sharding.OPTIMIZER,
+        fractions={0: (0.4, 0.1, 0.3, 0.2)},
+        clip=0.05,
+    ),
+    Case(
+        "three_stages_gpipe_sharded_recompute",
+        [((0,), (8,), (0, 1)), ((1, 2), (6, 2), (1, 3)), ((3,), (8,), (3, 4))],
+        schedule=Schedule.GPIPE,
+        sharding=Sharding.OPTIMIZER,
+        fractions={1: (0.7, 0.3)},
+        recompute=True,
+        reduce_in_backward=False,
+    ),
+]
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=1e-2)
+
+
+def _optimizer(model: GPT) -> torch.optim.Optimizer:
+    """SGD with momentum: unlike Adam, its update changes with the gradient's scale, so weighting errors show."""
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _batches(count: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (count, size, SEQ + 1), generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _reference(case: Case, batches) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = _model()
+    optimizer = _optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for batch in batches[step * case.accumulate : (step + 1) * case.accumulate]:
+            loss = model._loss(batch) / case.accumulate
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def _run_case(rank: int, case: Case) -> dict:
+    plan = hand_plan(
+        case.stages,
+        microbatch_size=MICROBATCH,
+        schedule=case.schedule,
+        sharding=case.sharding,
+        shard_fractions=case.fractions,
+        recompute=case.recompute,
+    )
+    batches = _batches(STEPS * case.accumulate, plan.global_batch_size)
+    model = _model()
+    if rank:
+        torch.nn.init.zeros_(model.pos_emb.weight)  # differs on purpose: broadcast_module must fix it
+    broadcast_module(model)
+    groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
+    engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES)
+    share = groups.stage.microbatch_ranges()[rank]
+    rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
+    local = lambda batch: (batch[0][rows], batch[1][rows])
+    step_fn = lambda micro, j: model._loss(micro)
+    engine.prepare(local(batches[0]), step_fn)
+    optimizer = _optimizer(model)
+    engine.setup_optimizer(optimizer)
+    losses, started_in_backward = [], []
+    for step in range(STEPS):
+        total = 0.0
+        runs = batches[step * case.accumulate : (step + 1) * case.accumulate]
+        for index, batch in enumerate(runs):
+            final = case.reduce_in_backward and index == len(runs) - 1
+            loss = engine.run(local(batch), step_fn, loss_scale=1 / case.accumulate, reduce_in_backward=final)
+            total += loss.item() / case.accumulate
+        losses.append(total)
+        started_in_backward.append(engine.reduction.started)
+        engine.reduce_gradients()
+        if case.clip:
+            engine.clip_grad_norm_(case.clip)
+        optimizer.step()
+        engine.after_optimizer_step()
+        optimizer.zero_grad()
+    expected, expected_losses = _reference(case, batches)
+    held = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.device.type != "meta"}
+    return {
+        "max_param_diff": max((held[n] - expected[n]).abs().max().item() for n in held if n in expected),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
+        "held": sorted(held),
+        "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+        "optimizer_state_tensors": len(optimizer.state),
+        "buckets": len(engine.reduction.buckets),
+        "started_in_backward": started_in_backward,
+    }
+
+
+def _worker(rank: int, out_dir: Path) -> dict:
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        return {case.name: _run_case(rank, case) for case in CASES}
+    finally:
+        dist.destroy_process_group()
+
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("exactness")
+    return spawn_ranks(_worker, WORLD, out)
+
+
+@pytest.mark.parametrize("case", [c.name for c in CASES])
+def test_parameters_and_losses_match_single_process(results, case):
+    for rank, per_rank in enumerate(results):
+        assert per_rank[case]["max_param_diff"] < 1e-5, (rank, per_rank[case])
+        assert per_rank[case]["loss_diff"] < 1e-5, (rank, per_rank[case])
+
+
+def test_reduction_starts_during_the_last_backward(results):
+    """Every bucket's all-reduce was under way before reduce_gradients where asked, none where not."""
+    for case in CASES:
+        for rank, per_rank in enumerate(results):
+            run = per_rank[case.name]
+            assert run["buckets"] >= 2, (case.name, rank, run["buckets"])
+            expected = run["buckets"] if case.reduce_in_backward else 0
+            assert run["started_in_backward"] == [expected] * STEPS, (case.name, rank, run)
+
+
+def test_weights_live_only_on_their_stage(results):
+    one_then_three = [r["one_then_three_5_2_1_clip"]["held"] for r in results]
+    # Stage 0 (rank 0): embeddings and block 0; no final norm (the tied head weight is the embedding).
+    assert "pos_emb.weight" in one_then_three[0] and "blocks.0.ln1.weight" in one_then_three[0]
+    assert not any(n.startswith(("blocks.1.", "ln_f.")) for n in one_then_three[0])
+    # Stage 1 (ranks 1-3): blocks 1-3, final norm, and the tied embedding/head weight; no position embedding.
+    for held in one_then_three[1:]:
+        assert "pos_emb.weight" not in held and "tok_emb.weight" in held and "head.weight" in held
+        assert not any(n.startswith("blocks.0.") for n in held) and "blocks.3.mlp.2.weight" in held
+
+
+def test_optimizer_state_is_sharded_unevenly(results):
+    numels = [r["data_parallel_uneven_sharded"]["optimizer_numel"] for r in results]
+    total = sum(numels)
+    shares = [n / total for n in numels]
+    # Shares follow (0.4, 0.1, 0.3, 0.2) up to whole tensors.
+    for share, wanted in zip(shares, (0.4, 0.1, 0.3, 0.2)):
+        assert abs(share - wanted) < 0.08, shares
+    states = [r["data_parallel_uneven_sharded"]["optimizer_state_tensors"] for r in results]
+    assert sum(states) == len(list(_model().parameters()))

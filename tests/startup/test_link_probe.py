@@ -1,0 +1,86 @@
+"""The start-up all-reduce probe: the rate it derives prices the measured time, and only a slower
+measurement changes what the planner is told."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.startup.link_probe import (
+    MAX_PROBE_BYTES,
+    MIN_PROBE_BYTES,
+    MachineAllReduce,
+    effective_bandwidth_gbps,
+    probe_bytes,
+    probe_machines,
+    with_measured_rates,
+)
+from zorse_lightning.planner.comm import LINK_EFFICIENCY, ring_all_reduce_ms
+from testing.launch import spawn_ranks
+
+CLUSTER = {
+    "name": "probe",
+    "machines": [
+        {"name": "m0", "intra_bandwidth_gbps": 1000, "gpus": [{"type": "a100x40", "count": 2}]},
+        {"name": "m1", "intra_bandwidth_gbps": 10, "gpus": [{"type": "t4", "count": 1}]},
+    ],
+}
+
+
+def test_effective_rate_prices_the_measured_time_exactly() -> None:
+    num_bytes, ranks, latency_us = 13e6, 4, 20.0
+    for measured_ms in (5.0, 47.0, 300.0):
+        gbps = effective_bandwidth_gbps(num_bytes, ranks, measured_ms, latency_us)
+        priced = ring_all_reduce_ms(num_bytes, ranks, gbps * LINK_EFFICIENCY, latency_us)
+        assert priced == pytest.approx(measured_ms, rel=1e-12)
+    assert effective_bandwidth_gbps(num_bytes, ranks, 0.05, latency_us) == math.inf  # latency alone explains it
+
+
+def test_only_a_slower_measurement_lowers_the_configured_rate() -> None:
+    inventory = load_cluster(CLUSTER)
+    probe = MachineAllReduce("m0", 2, 4_000_000, 10.0, configured_gbps=1000.0, effective_gbps=3.2)
+    lowered = with_measured_rates(inventory, [probe])
+    assert lowered.bandwidth_gbps(0, 1) == 3.2 and lowered.bandwidth_gbps(2, 2) == inventory.bandwidth_gbps(2, 2)
+    assert lowered.machines[1] == inventory.machines[1]
+    assert "planned with the measured rate" in probe.note() and "3.20 Gbit/s" in probe.note()
+    faster = replace(probe, effective_gbps=5000.0)
+    assert with_measured_rates(inventory, [faster]) is inventory
+
+
+def test_probe_size_is_the_gradient_bytes_within_bounds() -> None:
+    assert probe_bytes(torch.nn.Linear(1000, 1000)) == 1001 * 1000 * 4
+    assert probe_bytes(torch.nn.Linear(2, 2)) == MIN_PROBE_BYTES
+    frozen = torch.nn.Linear(1000, 1000).requires_grad_(False)
+    assert probe_bytes(frozen) == MIN_PROBE_BYTES
+    assert MAX_PROBE_BYTES >= MIN_PROBE_BYTES
+
+
+def _probe_worker(rank: int, out_dir: Path) -> list[dict]:
+    dist.init_process_group("gloo")
+    try:
+        probes = probe_machines(load_cluster(CLUSTER), rank, torch.device("cpu"), MIN_PROBE_BYTES)
+        dist.barrier()  # the default group still works after the machine groups are gone
+        return [
+            {"machine": p.machine, "ranks": p.num_ranks, "ms": p.measured_ms, "gbps": p.effective_gbps,
+             "configured": p.configured_gbps}
+            for p in probes
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_each_machine_with_several_ranks_is_probed_and_every_rank_agrees(tmp_path: Path) -> None:
+    results = spawn_ranks(_probe_worker, 3, tmp_path)
+    assert results[0] == results[1] == results[2]  # gathered: the same list on every rank
+    (probe,) = results[0]  # m1 has one rank: nothing to all-reduce
+    assert probe["machine"] == "m0" and probe["ranks"] == 2 and probe["configured"] == 1000
+    assert probe["ms"] > 0
+    assert probe["gbps"] == pytest.approx(effective_bandwidth_gbps(MIN_PROBE_BYTES, 2, probe["ms"], 
+                                                                   load_cluster(CLUSTER).latency_us(0, 1)))

@@ -1,0 +1,386 @@
+"""CPU ranks that behave like the GPU types of a cluster: slowed compute and a memory budget.
+
+This is what makes load balancing testable without GPUs (DESIGN.md, "Testing
+without GPUs"). Every rank is slowed, the fastest one too: a rank of type ``t``
+takes ``slowdown(t) x c`` for work whose calibrated CPU cost is ``c``, where
+``slowdown(t) = fastest_slowdown x peak(fastest type) / peak(t)``. With
+``fastest_slowdown >= 2`` the real compute always finishes before the deadline,
+so the emulated time is exact; communication, schedule and balance stay real.
+The rank is never told its factor through any other channel: profilers that
+time instrumented modules see the emulated speed, as they would on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.emulation.memory import (
+    EmulatedOutOfMemoryError,
+    MemoryBreakdown,
+    MemoryMeter,
+    out_of_memory_message,
+)
+from zorse_lightning.emulation.calibration import cost_key, min_costs
+from zorse_lightning.emulation.timing import (
+    BackwardEndMarker,
+    BackwardStartMarker,
+    BackwardWindow,
+    CallCost,
+    batch_size_and_signature,
+    calibrate_call,
+    sleep_until,
+    wrap_for_backward,
+)
+from zorse_lightning.errors import InventoryError, ZorseUserError
+from zorse_lightning.units import gib_to_bytes
+
+__all__ = [
+    "ComputeEmulator",
+    "EmulatedOutOfMemoryError",
+    "EmulationSpec",
+    "MemoryBreakdown",
+    "cpu_cores_demanded",
+    "emulated_modules",
+    "emulation_spec_for_rank",
+    "named_emulated_modules",
+]
+
+DEFAULT_FASTEST_SLOWDOWN = 3.0
+"""Slowdown of the fastest type: 3 leaves real compute a wide margin before its deadline (DESIGN.md)."""
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """What one emulated rank is: its GPU type, how much slower than its CPU cost it runs, its memory."""
+
+    gpu_type: str
+    slowdown: float
+    """Emulated time / calibrated CPU cost; >= 1 so that real compute can meet the deadline."""
+    memory_budget_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.slowdown >= 1.0:
+            raise ZorseUserError(
+                f"emulated {self.gpu_type}: slowdown={self.slowdown!r} must be >= 1, or real compute overruns "
+                f"every deadline; raise fastest_slowdown (default {DEFAULT_FASTEST_SLOWDOWN})"
+            )
+        if not self.memory_budget_bytes > 0:
+            raise ZorseUserError(
+                f"emulated {self.gpu_type}: memory_budget_bytes={self.memory_budget_bytes!r} must be positive; "
+                f"set the GPU's `memory_gib` in the cluster config"
+            )
+
+
+def emulation_spec_for_rank(
+    inventory: ClusterInventory, rank: int, fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN
+) -> EmulationSpec:
+    """The emulation of global rank ``rank``: speed relative to the fastest type present, memory from the inventory."""
+    if not 0 <= rank < inventory.world_size:
+        raise InventoryError(
+            f"rank {rank} is outside cluster {inventory.name!r}, which lists {inventory.world_size} GPUs; "
+            f"launch exactly {inventory.world_size} processes (Trainer(devices={inventory.world_size})) "
+            f"or use a cluster config that lists every rank"
+        )
+    gpu = inventory.gpus[rank]
+    fastest_tflops = max(t.peak_tflops for t in inventory.gpu_types)
+    return EmulationSpec(
+        gpu_type=gpu.gpu_type.name,
+        slowdown=fastest_slowdown * fastest_tflops / gpu.gpu_type.peak_tflops,
+        memory_budget_bytes=int(gib_to_bytes(gpu.memory_gib)),
+    )
+
+
+def cpu_cores_demanded(inventory: ClusterInventory, fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN) -> float:
+    """CPU cores all ranks keep busy at once: each computes ``1 / slowdown`` of the time.
+
+    Must stay under the machine's cores, or ranks contend and overrun deadlines.
+    """
+    return sum(1.0 / emulation_spec_for_rank(inventory, r, fastest_slowdown).slowdown for r in range(inventory.world_size))
+
+
+def emulated_modules(root: nn.Module) -> list[nn.Module]:
+    """The modules of :func:`named_emulated_modules`, without their names."""
+    return [module for _, module in named_emulated_modules(root)]
+
+
+def named_emulated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that cover the compute of ``root`` without nesting, with their names in ``root``: the blocks,
+    and the other parts whole.
+
+    The block list is the longest ``ModuleList``/``Sequential`` of at least two
+    modules of one class; each block is emulated alone, so a pipeline stage pays
+    for its own blocks. Every other child that holds parameters (embeddings,
+    head, final norm) is emulated as one piece; parameterless children
+    (activations, dropout, metrics) cost little and are left alone.
+    """
+    blocks = _block_list(root)
+    covered: list[tuple[str, nn.Module]] = []
+
+    def cover(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if child is blocks:
+                covered.extend((f"{prefix}{name}.{n}", block) for n, block in child.named_children())
+            elif blocks is not None and any(m is blocks for m in child.modules()):
+                cover(child, f"{prefix}{name}.")
+            elif any(True for _ in child.parameters()):
+                covered.append((f"{prefix}{name}", child))
+
+    cover(root, "")
+    return covered
+
+
+def _block_list(root: nn.Module) -> nn.Module | None:
+    candidates = [
+        m
+        for m in root.modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+        and len(m) >= 2
+        and len({type(child) for child in m.children()}) == 1
+    ]
+    return max(candidates, key=len, default=None)
+
+
+@dataclass
+class _Call:
+    """A forward in flight on one module."""
+
+    start: float
+    emulated_s: float
+    saved_tensors: Any = None
+    """The entered ``saved_tensors_hooks`` context, exited when the forward ends."""
+    window: BackwardWindow | None = None
+
+
+@dataclass
+class _Counters:
+    calls: int = 0
+    overruns: int = 0
+    approximate_backwards: int = 0
+    emulated_compute_s: float = 0.0
+    real_compute_s: float = 0.0
+    overrun_s: float = 0.0
+    in_flight: dict[int, list[_Call]] = field(default_factory=dict)
+
+
+class ComputeEmulator:
+    """Slows instrumented modules to a GPU type's speed and holds the rank to its memory budget.
+
+    ``instrument(modules)`` hooks each module: its forward and its backward then
+    take ``spec.slowdown x`` their calibrated CPU cost, by sleeping until a
+    deadline counted from the start of that piece of compute. Costs are
+    calibrated per module and per-sample input shape at first use, and can be
+    made identical on every rank with :meth:`agree_costs`.
+    """
+
+    def __init__(self, spec: EmulationSpec, rank: int | None = None, costs: Mapping[str, CallCost] | None = None) -> None:
+        """``costs``: calibrated costs to use (from :func:`calibrate_in_turn`); others are calibrated at first use."""
+        self.spec = spec
+        self.rank = rank
+        self._costs: dict[str, CallCost] = dict(costs or {})
+        self._handles: list[RemovableHandle] = []
+        self._modules: tuple[nn.Module, ...] = ()
+        self._counters = _Counters()
+        self._memory = MemoryMeter()
+        self._memory_tracked = False
+        self.batch_samples: int | None = None
+        """Samples of the step (or microbatch) now running, set by whoever runs it: a call whose first
+        input's dim 0 differs is charged once per call, not per sample (:func:`batch_size_and_signature`).
+        None: every call's dim 0 counts as its samples."""
+
+    # -- counters ------------------------------------------------------------------------
+
+    @property
+    def overruns(self) -> int:
+        """Pieces of compute whose real CPU time passed the deadline (the emulated time is then too long)."""
+        return self._counters.overruns
+
+    @property
+    def overrun_s(self) -> float:
+        """Total time by which overruns passed their deadlines: the error they add to emulated time."""
+        return self._counters.overrun_s
+
+    @property
+    def calls(self) -> int:
+        """Emulated pieces of compute (each forward and each backward of an instrumented module)."""
+        return self._counters.calls
+
+    @property
+    def emulated_compute_s(self) -> float:
+        """Sum of the deadlines' lengths: the compute time this rank's GPU type would have spent."""
+        return self._counters.emulated_compute_s
+
+    @property
+    def real_compute_s(self) -> float:
+        """CPU wall time spent computing inside those windows (before sleeping)."""
+        return self._counters.real_compute_s
+
+    @property
+    def approximate_backwards(self) -> int:
+        """Backwards of modules with no differentiable input (embeddings): their end is not observable, so
+        they sleep at their start for the emulated time less the expected real cost."""
+        return self._counters.approximate_backwards
+
+    @property
+    def calibrated_costs(self) -> dict[str, CallCost]:
+        """Per-sample CPU costs, keyed by ``"<module name>|<per-sample input shapes>"`` (:func:`cost_key`)."""
+        return dict(self._costs)
+
+    def load_costs(self, costs: Mapping[str, CallCost]) -> None:
+        """Use ``costs`` (calibrated elsewhere: another run, :func:`calibrate_in_turn`) for their keys."""
+        self._costs.update(costs)
+
+    # -- memory --------------------------------------------------------------------------
+
+    def track_memory(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """Count the parameters and gradients of ``model`` and the state of ``optimizers``."""
+        self._memory.track((model,), optimizers)
+        self._memory_tracked = True
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        return self._memory.measure()
+
+    def memory_bytes_now(self) -> int:
+        return self._memory.measure().total_bytes
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self._memory.peak_bytes
+
+    @property
+    def peak_memory_breakdown(self) -> MemoryBreakdown | None:
+        return self._memory.peak_breakdown
+
+    def check_memory(self, recount: bool = True) -> MemoryBreakdown:
+        """Measure, and raise :class:`EmulatedOutOfMemoryError` when over budget (``recount``: see
+        :meth:`MemoryMeter.measure`; the checks inside module calls keep the state's last count)."""
+        held = self._memory.measure(recount)
+        if held.total_bytes > self.spec.memory_budget_bytes:
+            who = self.spec.gpu_type if self.rank is None else f"{self.spec.gpu_type} (rank {self.rank})"
+            raise EmulatedOutOfMemoryError(out_of_memory_message(who, self.spec.memory_budget_bytes, held))
+        return held
+
+    # -- instrumentation -----------------------------------------------------------------
+
+    def instrument(self, modules: Sequence[nn.Module], names: Sequence[str] | None = None) -> None:
+        """Emulate the compute of ``modules`` (disjoint: none may contain another) from now on.
+
+        ``names`` (default: the positions) key the calibrated costs: give each
+        module's name in the whole model (:func:`named_emulated_modules`) so that
+        costs calibrated once serve a stage, a profile's copy of the blocks and
+        every rank alike.
+        """
+        modules = tuple(modules)
+        names = tuple(names) if names is not None else tuple(str(i) for i in range(len(modules)))
+        if len(names) != len(modules):
+            raise ZorseUserError(f"instrument got {len(modules)} modules but {len(names)} names; give one name each")
+        for outer in modules:
+            for inner in modules:
+                if inner is not outer and any(m is inner for m in outer.modules()):
+                    raise ZorseUserError(
+                        f"cannot emulate {type(inner).__name__} inside {type(outer).__name__}: instrumented "
+                        f"modules must not contain one another (their compute would be slowed twice); "
+                        f"pass the blocks or their parent, not both (emulated_modules() picks a valid set)"
+                    )
+        self.remove()
+        self._modules = modules
+        if not self._memory_tracked:
+            self._memory.track(modules)
+        for name, module in zip(names, modules):
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(self._post_hook(), with_kwargs=True, always_call=True)
+            )
+
+    def remove(self) -> None:
+        """Undo :meth:`instrument`; modules run at CPU speed again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._modules = ()
+
+    def agree_costs(self, group: Any = None) -> None:
+        """Make calibrated costs identical on every rank of ``group``: the minimum of each, over ranks.
+
+        A collective: every rank of the group calls it at the same point (after
+        a first step, when each rank has calibrated what it runs). The minimum
+        is the measurement least disturbed by other ranks sharing the cores.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered: list[dict[str, CallCost] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self._costs, group=group)
+        self._costs = min_costs(gathered)
+
+    def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
+        # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            samples, signature = batch_size_and_signature(args, kwargs, self.batch_samples)
+            key = cost_key(name, signature)
+            cost = self._costs.get(key)
+            if cost is None:
+                cost = self._costs[key] = calibrate_call(module, args, kwargs, samples)
+            charged = self.spec.slowdown * (samples or 1)
+            call = _Call(start=time.perf_counter(), emulated_s=charged * cost.forward_s_per_sample)
+            if torch.is_grad_enabled():
+                call.window = BackwardWindow(emulated_s=charged * cost.backward_s_per_sample, on_end=self._end_backward)
+                (args, kwargs), marked = wrap_for_backward((args, kwargs), BackwardEndMarker, call.window)
+                call.window.has_end_marker = marked > 0
+                if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+                    # Under another saved-tensors hook (activation checkpointing), that hook decides what
+                    # is kept; installing ours inside it would keep everything and defeat it.
+                    call.saved_tensors = self._memory.saved_tensors_hooks()
+                    call.saved_tensors.__enter__()
+            self._counters.in_flight.setdefault(id(module), []).append(call)
+            return args, kwargs
+
+        return hook
+
+    def _post_hook(self) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            call = self._counters.in_flight[id(module)].pop()
+            if call.saved_tensors is not None:
+                call.saved_tensors.__exit__(None, None, None)
+            if sys.exc_info()[1] is not None:
+                return None  # the forward raised: nothing to time, the error propagates
+            self.check_memory(recount=False)
+            self._finish(call.start, call.emulated_s)
+            if call.window is not None:
+                output, _ = wrap_for_backward(output, BackwardStartMarker, call.window)
+            return output
+
+        return hook
+
+    def _end_backward(self, window: BackwardWindow) -> None:
+        if window.start is None:
+            return
+        self.check_memory(recount=False)
+        if window.has_end_marker:
+            self._finish(window.start, window.emulated_s)
+            return
+        # The end of this backward is not observable: sleep for the emulated time less the real cost
+        # still to come (1/slowdown of it), before that compute runs. Not checked for overrun.
+        sleep_until(window.start + window.emulated_s * (1.0 - 1.0 / self.spec.slowdown))
+        self._counters.approximate_backwards += 1
+        self._counters.calls += 1
+        self._counters.emulated_compute_s += window.emulated_s
+
+    def _finish(self, start: float, emulated_s: float) -> None:
+        remaining = sleep_until(start + emulated_s)
+        counters = self._counters
+        counters.calls += 1
+        counters.emulated_compute_s += emulated_s
+        counters.real_compute_s += emulated_s - remaining
+        if remaining <= 0:
+            counters.overruns += 1
+            counters.overrun_s -= remaining

@@ -1,0 +1,133 @@
+"""Emulating a rank's GPU type for what the rank runs of the plan (its stage, not the whole model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.hooks import RemovableHandle
+
+from torch import nn
+
+from zorse_lightning.emulation.emulator import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
+from zorse_lightning.engine.cutting import StageCut, StageOutput
+from zorse_lightning.engine.executor import PipelineEngine
+
+
+class StageEmulation:
+    """Slowed compute of this rank's blocks (and embedding / head where its stage holds them), memory budget."""
+
+    def __init__(self, emulator: ComputeEmulator, boundaries: _StageBoundaries | None = None) -> None:
+        self.emulator = emulator
+        self._boundaries = boundaries
+        self._costs_agreed = False
+
+    @classmethod
+    def start(cls, strategy: Any, engine: PipelineEngine) -> StageEmulation:
+        """This rank's emulation, on the costs calibrated at start-up when the strategy planned (so the run
+        and the profile behind its prediction use the same costs), else on costs calibrated at first use."""
+        rank = strategy.global_rank
+        costs = strategy.calibrated_costs
+        emulator = ComputeEmulator(
+            emulation_spec_for_rank(strategy.inventory, rank, strategy.emulation_slowdown), rank=rank, costs=costs
+        )
+        emulator.batch_samples = strategy.plan.microbatch_size  # the engine calls the step per microbatch
+        module = strategy.lightning_module
+        named = named_emulated_modules(module)
+        if engine.cut is None:
+            boundaries = None
+        else:
+            named = _stage_modules(module, engine.cut, named)
+        emulator.instrument([m for _, m in named], names=[n for n, _ in named])
+        if engine.cut is not None:
+            boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
+        emulator.track_memory(module, strategy.optimizers)
+        return cls(emulator, boundaries)
+
+    def after_step(self) -> None:
+        if not self._costs_agreed:
+            # Costs calibrated at start-up are alike on every rank and stay as they are; any module first
+            # called in the run was calibrated by its rank alone. The collective runs on every rank at the same step.
+            self.emulator.agree_costs()
+            self._costs_agreed = True
+        self.emulator.check_memory()
+
+    def stop(self) -> None:
+        if self._boundaries is not None:
+            self._boundaries.remove()
+        self.emulator.remove()
+
+
+def _stage_modules(
+    root: nn.Module, cut: StageCut, named: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """The stage's share of ``named`` (the whole model's emulated modules): its blocks, and the
+    modules before the blocks on the first stage and after them on the last.
+
+    Names stay those of the whole model, so the stage finds the costs calibrated
+    for the whole model at start-up, and agreeing costs over ranks never lends
+    one module's cost to another.
+    """
+    start, end = cut.stage.layers
+    here = {id(b) for b in cut.blocks.blocks[start:end]}
+    for names, runs_here in ((cut.analysis.pre_modules, cut.is_first), (cut.analysis.post_modules, cut.is_last)):
+        if runs_here:
+            here.update(id(m) for name in names for m in root.get_submodule(name).modules())
+    return [(n, m) for n, m in named if id(m) in here]
+
+
+class _StageBoundaries:
+    """Makes a stage's first and last blocks look like ordinary calls to the emulator's hooks.
+
+    The cut swaps the received activation in *inside* the first local block's
+    forward, and ends the stage by raising :class:`StageOutput` *inside* the last
+    one's. The emulator hooks the module call around that forward, so it would
+    mark (for the backward's end) the placeholder input instead of the received
+    activation, skip the deadline of a forward that raised, and calibrate by
+    calling the raising forward (returning a graph cut off from the stage's
+    input). Here the received activation is swapped in before the emulator's
+    hook (and its marked version handed to the cut after it), and the last
+    block returns normally, its output raised as :class:`StageOutput` by a hook
+    that runs after the emulator's.
+    """
+
+    def __init__(self, cut: StageCut) -> None:
+        self._handles: list[RemovableHandle] = []
+        self._patched: tuple[nn.Module, Any] | None = None
+        start, end = cut.stage.layers
+        if not cut.is_first:
+            first = cut.blocks.blocks[start]
+
+            def receive(module: nn.Module, args: tuple) -> tuple | None:
+                return None if cut.incoming is None else (cut.incoming, *args[1:])
+
+            def hand_marked(module: nn.Module, args: tuple) -> None:
+                if cut.incoming is not None:
+                    cut.incoming = args[0]
+
+            self._handles.append(first.register_forward_pre_hook(receive, prepend=True))
+            self._handles.append(first.register_forward_pre_hook(hand_marked))
+        if not cut.is_last:
+            last = cut.blocks.blocks[end - 1]
+            raising = last.forward
+
+            def returning(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return raising(*args, **kwargs)
+                except StageOutput as end_of_stage:
+                    return end_of_stage.output
+
+            def end_stage(module: nn.Module, args: tuple, output: Any) -> None:
+                raise StageOutput(output)
+
+            last.forward = returning
+            self._patched = (last, raising)
+            self._handles.append(last.register_forward_hook(end_stage))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._patched is not None:
+            module, forward = self._patched
+            module.forward = forward
+            self._patched = None

@@ -1,0 +1,168 @@
+"""The accelerator for clusters whose ranks hold different device types.
+
+Lightning's accelerators know one device kind for all ranks. Here each rank
+also knows its GPU type: on CUDA the type detected on ``cuda:LOCAL_RANK``; on
+CPU the type it emulates (from the cluster inventory), with the emulation
+spec that slows its compute and bounds its memory.
+
+Selection without naming it. Lightning refuses an accelerator given both by
+``Trainer(accelerator=...)`` and by the strategy, but it hands its final choice
+to the strategy through ``strategy.accelerator = ...`` (in
+``_AcceleratorConnector._lazy_init_strategy``). A strategy that leaves its own
+accelerator unset and overrides that setter with :func:`resolve_accelerator`
+therefore accepts ``accelerator="cpu"``, ``"gpu"``, ``"cuda"``, ``"auto"`` or
+``"zorse"`` and always ends up with this plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
+from typing_extensions import override
+
+from zorse_lightning.cluster.detect import DeviceReport, match_device
+from zorse_lightning.cluster.gpu_type import GpuType
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
+from zorse_lightning.errors import ZorseUserError
+
+ACCELERATOR_NAME = "zorse"
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """What one rank computes on."""
+
+    global_rank: int
+    device: torch.device
+    gpu_type: GpuType | None
+    """The real or emulated GPU type; None for a CPU rank with no cluster to emulate."""
+    emulation: EmulationSpec | None
+    """Set on CPU ranks that emulate ``gpu_type``."""
+
+
+class ZorseAccelerator(Accelerator):
+    """Per-rank devices and GPU types; ``ZorseAccelerator()`` is the CUDA or the CPU variant.
+
+    The CPU variant is chosen without CUDA, or when the inventory is emulated
+    (its ranks are CPU processes by definition).
+    """
+
+    def __new__(cls, inventory: ClusterInventory | None = None, fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN):
+        if cls is ZorseAccelerator:
+            emulated = inventory is not None and inventory.emulated
+            cls = ZorseCUDAAccelerator if CUDAAccelerator.is_available() and not emulated else ZorseCPUAccelerator
+        return super().__new__(cls)
+
+    def __init__(
+        self, inventory: ClusterInventory | None = None, fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN
+    ) -> None:
+        super().__init__()
+        self.inventory = inventory
+        self.fastest_slowdown = fastest_slowdown
+
+    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
+        """The device and GPU type of a rank (call it on that rank: CUDA detection reads the local device)."""
+        raise NotImplementedError  # each variant knows its device kind
+
+    # Lightning's registry asks these of the registered class itself (the variants override them).
+    @staticmethod
+    @override
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    @override
+    def parse_devices(devices: Any) -> Any:
+        return (CUDAAccelerator if CUDAAccelerator.is_available() else CPUAccelerator).parse_devices(devices)
+
+    @staticmethod
+    @override
+    def get_parallel_devices(devices: Any) -> Any:
+        return (CUDAAccelerator if CUDAAccelerator.is_available() else CPUAccelerator).get_parallel_devices(devices)
+
+    @staticmethod
+    @override
+    def auto_device_count() -> int:
+        return CUDAAccelerator.auto_device_count() if CUDAAccelerator.is_available() else 1
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return ACCELERATOR_NAME
+
+    @classmethod
+    @override
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        accelerator_registry.register(
+            ACCELERATOR_NAME, cls, description="zorse: per-rank GPU types, CPU ranks emulating them"
+        )
+
+
+class ZorseCPUAccelerator(CPUAccelerator, ZorseAccelerator):
+    """CPU ranks; with an inventory, each emulates the GPU type listed at its global rank."""
+
+    @override
+    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
+        if self.inventory is None:
+            return RankDevice(global_rank, torch.device("cpu"), gpu_type=None, emulation=None)
+        spec = emulation_spec_for_rank(self.inventory, global_rank, self.fastest_slowdown)
+        return RankDevice(
+            global_rank, torch.device("cpu"), gpu_type=self.inventory.gpus[global_rank].gpu_type, emulation=spec
+        )
+
+
+class ZorseCUDAAccelerator(CUDAAccelerator, ZorseAccelerator):
+    """One CUDA device per rank, ``cuda:LOCAL_RANK``, its type detected and named from the catalog."""
+
+    @override
+    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
+        device = torch.device("cuda", local_rank)
+        props = torch.cuda.get_device_properties(device)
+        gpu_type = match_device(DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory)))
+        return RankDevice(global_rank, device, gpu_type=gpu_type, emulation=None)
+
+
+def resolve_accelerator(
+    strategy_accelerator: Accelerator | None,
+    flag: Accelerator | str | None,
+    inventory: ClusterInventory | None = None,
+    fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN,
+) -> ZorseAccelerator:
+    """The zorse accelerator for what the user asked: the strategy's own, else the Trainer's flag.
+
+    ``flag`` is what Lightning resolved from ``Trainer(accelerator=...)``: an
+    instance (``CPUAccelerator`` for ``"cpu"``, ``CUDAAccelerator`` for ``"gpu"``)
+    or a name. The device kind is kept; the inventory is attached.
+    """
+    chosen = strategy_accelerator if strategy_accelerator is not None else flag
+    if isinstance(chosen, ZorseAccelerator) and chosen.inventory is inventory:
+        return chosen
+    if isinstance(chosen, CUDAAccelerator) or chosen in ("cuda", "gpu"):
+        if inventory is not None and inventory.emulated:
+            raise ZorseUserError(
+                f"accelerator={_spelling(chosen)} asks for CUDA, but cluster {inventory.name!r} is emulated "
+                f"(its ranks are CPU processes); use accelerator='cpu' or a cluster config of real GPUs"
+            )
+        return ZorseCUDAAccelerator(inventory, fastest_slowdown)
+    if isinstance(chosen, CPUAccelerator) or chosen == "cpu":
+        return ZorseCPUAccelerator(inventory, fastest_slowdown)
+    if chosen in (None, "auto", ACCELERATOR_NAME):
+        return ZorseAccelerator(inventory, fastest_slowdown)
+    raise ZorseUserError(
+        f"accelerator={_spelling(chosen)} is not supported by zorse, which runs on CUDA GPUs or on CPU ranks "
+        f"emulating GPU types; use accelerator='gpu', 'cpu' or 'auto'"
+    )
+
+
+def register_accelerator() -> None:
+    """Make ``Trainer(accelerator="zorse")`` work; safe to call more than once."""
+    if ACCELERATOR_NAME not in AcceleratorRegistry:
+        ZorseAccelerator.register_accelerators(AcceleratorRegistry)
+
+
+def _spelling(accelerator: Accelerator | str | None) -> str:
+    return repr(accelerator) if isinstance(accelerator, str) or accelerator is None else type(accelerator).__name__

@@ -1,0 +1,305 @@
+"""Fast recovery: the survivors of a lost rank keep what they hold; the relaunch reads that first.
+
+A checkpoint is taken every few steps; a lost rank costs every step since. But
+the survivors still hold their stages' parameters and optimizer shards of the
+last completed step. Each rank therefore snapshots, at the end of every
+optimizer step, the small part of Lightning's checkpoint (loops, callbacks,
+optimizer hyper-parameters, data position: a few kilobytes, pickled, so that
+later changes do not reach it) and the in-place version counters of the tensors
+it holds, not the tensors: about 2 ms a step on 2 busy CPU cores (1 % of a
+190 ms step), no memory, no collective.
+When the watchdog declares a rank lost, the rank writes its held state to local
+disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json`` index, each
+renamed into place) unless its tensors moved since the snapshot (the lost rank
+died inside an optimizer step: that state belongs to no completed step).
+
+On ``fit(ckpt_path=...)`` (:func:`load`) the relaunch, on the cluster as it is
+now, takes the newest step whose kept state covers every entry of the model and
+every parameter the optimizers step; a step newer than the checkpoint must be
+covered by survivors alone, the checkpoint's own step may be completed by its
+shards (only those that hold a missing entry are read). Survivors' files are
+memory-mapped, so a rank reads only the tensors it uses: the whole module (Lightning
+loads it before the model is cut) but only the optimizer state of the parameters
+it steps. Each rank keeps its own random generators (as on elastic resume):
+survivors' generators belong to the old rank layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from zorse_lightning.engine.checkpoint_files import (
+    COMMON,
+    read_file,
+    read_manifest,
+    shard_name,
+)
+from zorse_lightning.strategy.checkpoint_io import (
+    NAMED_STATE_KEY,
+    all_gather,
+    held_module_state,
+    held_optimizer_state,
+    merged_state_dict,
+)
+from zorse_lightning.strategy.checkpoint_io import load as load_checkpoint
+
+SURVIVORS_DIR = ".survivors"
+FORMAT = "zorse-survivor"
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    directory: str | Path | None = None
+    """Where survivors keep their state (local disk); None: ``<checkpoint dirpath>/.survivors``, and on resume
+    ``<directory of ckpt_path>/.survivors``."""
+    enabled: bool = True
+    """Snapshot every step and keep state on a lost rank; off: resume from checkpoints only."""
+
+
+@dataclass(frozen=True)
+class KeptIndex:
+    """What one survivor file holds, readable without loading it."""
+
+    rank: int
+    step: int
+    entries: tuple[str, ...]
+    """Module state-dict names it holds."""
+    stepped: tuple[tuple[str, ...], ...]
+    """Per optimizer: names of the parameters it steps (its shard), whose optimizer state it holds."""
+    path: str
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """Where the relaunch resumed from, and what it read (``ZorseStrategy.recovery_report``)."""
+
+    step: int
+    checkpoint_step: int
+    survivor_files: tuple[str, ...]
+    checkpoint_files: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    step: int
+    common: bytes
+    """Lightning's checkpoint of the step without its tensors, pickled."""
+    versions: dict[int, int]
+
+
+def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    held = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and not t.is_meta]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            held.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return held
+
+
+def _versions(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[int, int]:
+    return {id(t): t._version for t in _tensors(module, optimizers)}
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> None:
+    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    with temporary.open(mode) as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(path)
+
+
+class SurvivorKeeper:
+    """One rank's snapshot of its last completed step, and the writing of its state when a rank is lost."""
+
+    def __init__(self) -> None:
+        self._snapshot: _Snapshot | None = None
+        self._kept = False
+        self._keeping = threading.Lock()
+
+    def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> None:
+        """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors."""
+        self._snapshot = _Snapshot(step, pickle.dumps(common, pickle.HIGHEST_PROTOCOL), _versions(module, optimizers))
+
+    def keep(self, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
+        """Write this rank's state of the snapshot's step, once, from the main thread or the watchdog's.
+
+        Both may call it when a rank is lost (the watchdog ends a rank stuck in a wait; the main thread,
+        unstuck by the lost connection, handles its error); the second waits until the first has written:
+        returning at once would let the process end, and the watchdog's daemon thread with it, mid-write."""
+        with self._keeping:
+            if self._kept or self._snapshot is None:
+                return None
+            self._kept = True
+            return self._write(self._snapshot, Path(directory), rank, module, optimizers)
+
+    def _write(self, snap: _Snapshot, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
+        if _versions(module, optimizers) != snap.versions:
+            print(f"zorse: rank {rank} was inside the optimizer step after step {snap.step}: it keeps nothing",
+                  file=sys.stderr, flush=True)
+            return None
+        state = {
+            "format": FORMAT, "rank": rank, "step": snap.step, "common": pickle.loads(snap.common),
+            "state_dict": held_module_state(module),
+            "optimizers": [held_optimizer_state(o, module) for o in optimizers],
+        }
+        if _versions(module, optimizers) != snap.versions:  # the main thread moved on while we copied
+            return None
+        names = {id(p): n for n, p in module.named_parameters()}
+        index = KeptIndex(
+            rank, snap.step, tuple(sorted(state["state_dict"])),
+            tuple(tuple(sorted(names[id(p)] for g in o.param_groups for p in g["params"])) for o in optimizers),
+            path="",
+        )
+        target = directory / f"step-{snap.step}"
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            _write_atomically(target / f"rank-{rank}.pt", lambda h: torch.save(state, h), "wb")
+            _write_atomically(target / f"rank-{rank}.json", lambda h: json.dump(asdict(index), h), "w")
+        except OSError as error:  # the rank must still stop with the lost rank's name, not this
+            print(f"zorse: rank {rank} could not keep its state in {target}: {error}", file=sys.stderr, flush=True)
+            return None
+        return target / f"rank-{rank}.pt"
+
+
+def survivors_directory(policy: RecoveryPolicy, checkpoint_dir: str | Path) -> Path:
+    return Path(policy.directory) if policy.directory is not None else Path(checkpoint_dir) / SURVIVORS_DIR
+
+
+def _kept_here(directory: Path) -> list[KeptIndex]:
+    found = []
+    for index in sorted(directory.glob("step-*/rank-*.json")):
+        try:
+            fields = json.loads(index.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a survivor killed while writing: its state is not there
+        if index.with_suffix(".pt").is_file():
+            found.append(KeptIndex(**{**fields, "entries": tuple(fields["entries"]),
+                                      "stepped": tuple(map(tuple, fields["stepped"])), "path": str(index.with_suffix(".pt"))}))
+    return found
+
+
+def choose_step(
+    kept: list[KeptIndex], checkpoint_step: int, entries: set[str], trainable: set[str]
+) -> tuple[int, list[KeptIndex], str]:
+    """The newest step at which kept state (plus the checkpoint, at its own step) covers ``entries`` (the
+    module's state dict) and the optimizer state of ``trainable`` (the parameters optimizers step); the
+    survivors used there; why (mentioning "only in the checkpoint" when newer kept state had to be passed over)."""
+    newer = sorted({k.step for k in kept if k.step > checkpoint_step}, reverse=True)
+    gaps = ""
+    for step in newer:
+        at = [k for k in kept if k.step == step]
+        missing = (entries - {e for k in at for e in k.entries}) | (trainable - _stepped(at))
+        if not missing:
+            return step, at, f"the survivors kept every entry of step {step}"
+        gaps = gaps or f"the survivors kept step {step}, but {len(missing)} entries (e.g. {min(missing)}) "
+    at = [k for k in kept if k.step == checkpoint_step]
+    return checkpoint_step, at, (
+        f"{gaps}are only in the checkpoint of step {checkpoint_step}: resuming from step {checkpoint_step}"
+        if gaps else f"no survivor kept a step newer than the checkpoint's ({checkpoint_step})"
+    )
+
+
+def _stepped(kept: list[KeptIndex]) -> set[str]:
+    return {n for k in kept for names in k.stepped for n in names}
+
+
+def _read_kept(chosen: list[KeptIndex], seen: set[str], rank: int) -> dict[str, dict[str, Any]]:
+    """The chosen survivors' files, each read by the ranks that see it and sent to those that do not
+    (survivors keep their state on their own machine's disk)."""
+    everywhere = [set(s) for s in all_gather(sorted(seen))]
+    unseen = {k.path for k in chosen if any(k.path not in s for s in everywhere)}
+    kept = {k.path: torch.load(k.path, map_location="cpu", weights_only=False, mmap=True)
+            for k in chosen if k.path in seen}
+    if unseen:
+        provider = {path: min(r for r, s in enumerate(everywhere) if path in s) for path in unseen}
+        for sent in all_gather({p: kept[p] for p in unseen if provider[p] == rank}):
+            kept.update(sent)
+    return kept
+
+
+def _shards_needed(manifest: dict[str, Any], entries: set[str], stepped: set[str]) -> list[str]:
+    """The checkpoint's shards holding an entry or optimizer state the survivors lack (every shard when
+    the manifest does not list what each holds)."""
+    contents = manifest.get("contents")
+    needed = []
+    for rank in range(manifest["world_size"]):
+        holds = contents.get(shard_name(rank)) if contents else None
+        if holds is None or set(holds["state_dict"]) - entries or {n for o in holds["optimizers"] for n in o} - stepped:
+            needed.append(shard_name(rank))
+    return needed
+
+
+def load(
+    path: str | Path, policy: RecoveryPolicy, module: nn.Module, rank: int, world_size: int
+) -> tuple[dict[str, Any], RecoveryReport]:
+    """Lightning's checkpoint dictionary for resuming from ``path``, built from survivors' state first
+    (collective)."""
+    directory, manifest = read_manifest(path)
+    common = read_file(directory, manifest, COMMON)
+    checkpoint_step = common["global_step"]
+    listed = _kept_here(survivors_directory(policy, directory.parent))
+    union = {k.path: k for ks in all_gather(listed) for k in ks}
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    step, chosen, reason = choose_step(list(union.values()), checkpoint_step, set(module.state_dict()), trainable)
+    say = rank_zero_warn if "only in the checkpoint" in reason else rank_zero_info
+    if not chosen:
+        say(f"zorse: resuming from the checkpoint {directory} at step {step} ({reason})")
+        report = RecoveryReport(step, checkpoint_step, (), tuple(sorted(manifest["files"])), reason)
+        return load_checkpoint(path, rank, world_size), report
+    kept = _read_kept(chosen, {k.path for k in listed}, rank)
+    shards = [kept[k.path] for k in chosen]
+    read: list[str] = []
+    if step == checkpoint_step:
+        have = {e for s in shards for e in s["state_dict"]}
+        read = _shards_needed(manifest, have, _stepped(chosen))
+        shards = [read_file(directory, manifest, name) for name in read] + shards  # survivors' entries win
+        checkpoint = common
+    else:
+        checkpoint = copy.deepcopy(shards[0]["common"])
+    checkpoint["state_dict"] = merged_state_dict(shards)
+    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
+        state[NAMED_STATE_KEY] = {k: v for s in shards for k, v in s["optimizers"][index].items()}
+    say(f"zorse: resuming from step {step}: {len(chosen)} survivors' files and {len(read)} shards of the "
+        f"checkpoint {directory} ({reason})")
+    return checkpoint, RecoveryReport(step, checkpoint_step, tuple(k.path for k in chosen), tuple(read), reason)
+
+
+
+
+class SnapshotEachStep(pl.Callback):
+    """First of the callbacks, so that its snapshot holds what ``ModelCheckpoint`` would save at that step."""
+
+    def __init__(self, take: Callable[[pl.Trainer], None]) -> None:
+        self._take = take
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != self._last_step:  # an optimizer step completed (not mid-accumulation)
+            self._last_step = trainer.global_step
+            self._take(trainer)
+
+
+def keeping_directory(policy: RecoveryPolicy, trainer: pl.Trainer) -> Path:
+    """Where this run's survivors write: the checkpoints' directory, where the relaunch will look."""
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None) or trainer.default_root_dir
+    return survivors_directory(policy, dirpath)
+
+
+__all__ = ["KeptIndex", "RecoveryPolicy", "RecoveryReport", "SnapshotEachStep", "SurvivorKeeper", "choose_step",
+           "keeping_directory", "load", "survivors_directory"]

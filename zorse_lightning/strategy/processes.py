@@ -1,0 +1,109 @@
+"""Processes, devices and collectives of the zorse strategy, apart from its training logic.
+
+Ranks come from the launcher as they are (machines may run different numbers of
+processes); Lightning's own launcher runs one machine. The accelerator Lightning
+chooses is wrapped so that each rank knows the GPU type it holds or emulates.
+Subclasses provide ``inventory``, ``_start_method`` and ``_timeout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from zorse_lightning.engine.groups import backend_for
+from zorse_lightning.strategy.accelerator import resolve_accelerator
+from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+
+
+class ProcessStrategy(ParallelStrategy):
+    # -- processes, devices, accelerator ---------------------------------------------------
+
+    @property
+    @override
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        # Lightning hands its accelerator choice to the strategy here: keep its device kind, add the cluster.
+        self._accelerator = None if value is None else resolve_accelerator(None, value, self.inventory)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
+        environment = self.cluster_environment
+        # Lightning's children see LOCAL_RANK and report creates_processes_externally, yet still need
+        # their ranks set; only HeterogeneousEnvironment (torchrun, SLURM) knows them on its own.
+        if environment is not None and not isinstance(environment, HeterogeneousEnvironment):
+            if self.num_nodes > 1:
+                raise ValueError(
+                    f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "
+                    f"process its global rank (machines may run different numbers of processes)"
+                )
+            environment.set_global_rank(self.local_rank)
+            environment.set_world_size(self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        _init_dist_connection(self.cluster_environment, backend_for(self.root_device), timeout=self._timeout)
+
+    # -- collectives Lightning asks for ----------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor

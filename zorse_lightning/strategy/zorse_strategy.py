@@ -1,0 +1,485 @@
+"""``ZorseStrategy``: Lightning's view of a zorse plan.
+
+The strategy owns the step. Lightning calls ``training_step`` once per global
+batch; inside it the engine runs the plan's schedule, calling the user's own
+``training_step`` per microbatch, with backward included. Lightning's
+``backward`` therefore only runs its hooks, and ``optimizer_step`` reduces the
+gradients (weighted by samples, over each weight's stages) before Lightning's
+clipping and the optimizer; clipping uses the global norm over all stages.
+``self.log`` inside microbatches is captured and replayed once per step.
+A module that optimises by hand owns its step instead (strategy/manual_optimization.py).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.startup.detection import detect_cluster
+from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
+from zorse_lightning.errors import ZorseUserError
+from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.faults import FaultPolicy, Watchdog
+from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
+from zorse_lightning.strategy import checkpoint_io, fast_recovery
+from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
+from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+from zorse_lightning.strategy.processes import ProcessStrategy
+from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
+from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
+from zorse_lightning.startup.planning import check_plan_against, resolve_plan
+from zorse_lightning.strategy.recovery import start_watchdog
+from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
+from zorse_lightning.strategy.sampler import PlanBatchSampler, SamplerState, plan_dataloader
+from zorse_lightning.emulation.stage import StageEmulation
+from zorse_lightning.strategy.validation import check_detected_devices, check_plan_for_module, local_device_report
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.profiling.profile import ModelProfile
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ZorseStrategy(ProcessStrategy):
+    strategy_name = "zorse"
+
+    def __init__(
+        self,
+        cluster: Any = None,
+        plan: Plan | str | Path | None = None,
+        planner_options: Any = None,
+        block_path: str | None = None,
+        seed: int = 0,
+        emulate: bool | None = None,
+        emulation_slowdown: float = DEFAULT_FASTEST_SLOWDOWN,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: StartMethod = "popen",
+        schedule: str | None = None,
+        precision: str = "auto",
+        faults: FaultPolicy = FaultPolicy(),
+        recovery: RecoveryPolicy = RecoveryPolicy(),
+        **kwargs: Any,
+    ) -> None:
+        """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
+        start); ``block_path``: attribute path of the block list (else found); ``seed``: of the sampler's
+        shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated);
+        ``precision``: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU),
+        or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``; ``faults``: how long a silent rank
+        may be before every other rank stops with an error naming it; ``recovery``: where survivors of a lost
+        rank keep their state, read first by ``fit(ckpt_path=...)`` (strategy/fast_recovery.py)."""
+        if cluster is None and "environment" in kwargs:
+            kwargs["cluster_environment"] = kwargs.pop("environment")
+        if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
+            kwargs["cluster_environment"] = HeterogeneousEnvironment()
+        super().__init__(**kwargs)
+        self._cluster_source = cluster
+        if not emulation_slowdown >= 1.0:
+            raise ZorseUserError(
+                f"emulation_slowdown={emulation_slowdown!r} must be >= 1 (the fastest emulated type runs that many "
+                f"times slower than this CPU, so its real compute can meet its deadlines); the default is "
+                f"{DEFAULT_FASTEST_SLOWDOWN}"
+            )
+        self.emulation_slowdown = emulation_slowdown
+        self._inventory: ClusterInventory | None = None
+        self._plan_source = plan
+        self._plan: Plan | None = None
+        self.start_up_profile: ModelProfile | None = None
+        """The profile measured at start-up (rank 0 only; None when a plan was given)."""
+        self.start_up_inventory: ClusterInventory | None = None
+        """The cluster as the planner saw it at start-up: intra-machine rates as measured where slower
+        (startup/link_probe.py; rank 0 only, with :attr:`start_up_profile`)."""
+        self.calibrated_costs: dict | None = None
+        """Emulated CPU costs calibrated once at start-up (startup/planning.py), reused by the run's emulation."""
+        self._planner_options = planner_options
+        self._schedule_override = schedule
+        self._precision = precision
+        self._precision_choice: PrecisionChoice | None = None
+        self.block_path = block_path
+        self.seed = seed
+        self._emulate = emulate
+        self._timeout = timeout
+        self._faults = faults
+        self._watchdog: Watchdog | None = None
+        self._recovery = recovery
+        self._keeper = SurvivorKeeper()
+        self._tensorless_dump = False
+        self.recovery_report: RecoveryReport | None = None
+        """Where the last ``fit(ckpt_path=...)`` resumed from and what it read (None before one)."""
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._engine: PipelineEngine | None = None
+        self._emulation: StageEmulation | None = None
+        self._pending_optimizer_states: list[dict[str, Any]] = []
+        self._samplers: list[PlanBatchSampler] = []
+        self._samples_done = 0
+        self._restored_sampler: SamplerState | None = None
+        self._checkpoint_global_batch_size: int | None = None
+        """The resumed checkpoint's global batch size: a plan made at start keeps it (startup/planning.py)."""
+        self._clip_patched = False
+        self._log_mergers: dict[str, LogMerger] = {}
+        """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._training_prepared = False
+        self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
+
+    # -- what the user can inspect ---------------------------------------------------------
+
+    @property
+    def inventory(self) -> ClusterInventory | None:
+        """The cluster this strategy trains on (None until given or detected)."""
+        if self._inventory is None and self._cluster_source is not None:
+            self._inventory = load_cluster(self._cluster_source)
+        return self._inventory
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            raise RuntimeError(
+                "ZorseStrategy.plan exists once the Trainer has set up the strategy (inside fit/validate/"
+                "test/predict); pass plan=... to fix it in advance"
+            )
+        return self._plan
+
+    @property
+    def precision_choice(self) -> PrecisionChoice:
+        """The precision every rank trains in, and why (also in the plan's notes)."""
+        if self._precision_choice is None:
+            raise RuntimeError("ZorseStrategy.precision_choice is made at setup, once the ranks' devices are known")
+        return self._precision_choice
+
+    @property
+    def emulation(self) -> StageEmulation | None:
+        """This rank's emulation of its GPU type (None when off or before the first step)."""
+        return self._emulation
+
+    @property
+    def engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise RuntimeError("the zorse engine is built at setup, once the plan is known")
+        return self._engine
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._cluster_source is None and self._inventory is None and self._plan_source is None:
+            self._inventory = detect_cluster(self.root_device, self.world_size)
+        self.accelerator.setup(trainer)
+        self._set_precision()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._patch_clipping()
+        if self._recovery.enabled and not any(isinstance(c, SnapshotEachStep) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, SnapshotEachStep(self._snapshot_for_recovery))
+        if self._engine is None:
+            broadcast_module(self.lightning_module)
+            if self._plan_source is not None:
+                self._set_plan(resolve_plan(self._plan_source, self.inventory, self.world_size))
+
+    def _set_precision(self) -> None:
+        if self.inventory is not None:
+            check_detected_devices(self.inventory, checkpoint_io.all_gather(local_device_report(self.root_device)))
+            gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
+        else:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, self.accelerator.describe_rank(self.global_rank, self.local_rank).gpu_type)
+            gpu_types = [t for t in gathered if t is not None]
+        plugin, self._precision_choice = resolve_precision(
+            self._precision, self.precision_plugin, gpu_types, self.root_device.type
+        )
+        plugin.parameters = lambda: self.engine.local_parameters()
+        self.precision_plugin = plugin
+
+    def _set_plan(self, plan: Plan) -> None:
+        if self.inventory is not None:
+            check_plan_against(plan, self.inventory)
+        check_manual_plan(plan, self.lightning_module, self.precision_plugin)
+        check_plan_for_module(plan, self.lightning_module, self.block_path, self.inventory)
+        if self._schedule_override is not None:
+            plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
+        if self._precision_choice is not None and self._precision_choice.note not in plan.notes:
+            plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
+        self._plan = plan
+        groups = build_groups(plan, self.global_rank, self._timeout)
+        self._log_mergers = {}
+        self._watchdog = start_watchdog(
+            self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
+        )
+        self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
+        if not self.lightning_module.automatic_optimization:
+            self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin)
+
+    @override
+    def model_to_device(self) -> None:
+        # Once cut, other stages' weights are meta tensors (no data, nothing to move).
+        self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+
+    # -- data ------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        if self._plan is None:
+            from zorse_lightning.startup.planning import plan_at_start
+
+            self._set_plan(plan_at_start(self, dataloader))
+        loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
+        if self._restored_sampler is not None and not self._samplers:
+            loader.batch_sampler.restore(self._restored_sampler)
+        self._samplers.append(loader.batch_sampler)
+        return loader
+
+    # -- the step --------------------------------------------------------------------------
+
+    def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
+        method = getattr(self.lightning_module, hook)
+        return lambda micro, j: method(micro, batch_idx, *rest)
+
+    def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
+        """Cut the module (unless a validation before training did), then what training alone needs:
+        optimizers restricted to this rank's weights or shard, their restored state, the emulation."""
+        if not self.engine.prepared:
+            silent = LogCapture(self.plan.microbatch_size)
+            with capturing_logs(self.lightning_module, silent):
+                self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        self._training_prepared = True
+        for optimizer in self.optimizers:
+            self.engine.setup_optimizer(optimizer)
+        for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
+            checkpoint_io.load_optimizer_state(optimizer, self.lightning_module, state)
+        self._pending_optimizer_states = []
+        if self._emulation_enabled():
+            self._emulation = StageEmulation.start(self, self.engine)
+
+    def _emulation_enabled(self) -> bool:
+        emulate = self._emulate if self._emulate is not None else bool(self.inventory and self.inventory.emulated)
+        return emulate and self.root_device.type == "cpu" and self.inventory is not None
+
+    def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
+        capture = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, capture):
+            result = run(self._microbatch_step(hook, batch_idx, *rest))
+        merger = self._log_mergers.setdefault(hook, LogMerger(self.root_device))
+        replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
+        return result
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
+        if not self._training_prepared:
+            self._prepare_engine(batch, batch_idx)
+        if self._manual is not None:
+            with self.precision_plugin.train_step_context():
+                output = self._manual.training_step(batch, batch_idx, *rest)
+            self._step_done(batch_idx)
+            return output
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        scale = self.precision_plugin.loss_scale_value / accumulate
+        earlier = self._set_gradients_aside()
+        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then.
+        overlap = accumulate == 1
+        with self.precision_plugin.train_step_context():
+            loss = self._captured(
+                lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
+            )
+        self._step_done(batch_idx)
+        self._stashed = self._set_gradients_aside()
+        for param, grad in earlier:
+            param.grad = grad
+        return loss
+
+    def _step_done(self, batch_idx: int) -> None:
+        if self._emulation is not None:
+            self._emulation.after_step()
+        self._samples_done = (batch_idx + 1) * self.plan.global_batch_size
+
+    def _set_gradients_aside(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """Lightning zeroes gradients (at an accumulation window's start) between ``training_step`` and
+        ``backward``, so the schedule runs on empty gradients and its own wait aside until ``backward``."""
+        aside = []
+        for param in self.engine.local_parameters():
+            aside.append((param, param.grad))
+            param.grad = None
+        return aside
+
+    def _restore_gradients(self) -> None:
+        for param, grad in self._stashed:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._stashed = []
+
+    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        if not self.engine.prepared:
+            self._prepare_engine_for_evaluation(batch, batch_idx, hook)
+        with self.precision_plugin.val_step_context():
+            outputs = self._captured(lambda step: self.engine.evaluate(batch, step), hook, batch_idx, *rest)
+        return [outputs[j] for j in sorted(outputs)] if outputs else None
+
+    def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
+        """The cut is probed on a loss (its graph shows what crosses the stages): the training step gives
+        one, where ``validation_step`` may only log and ``predict_step`` return no gradient."""
+        probe = "training_step" if is_overridden("training_step", self.lightning_module) else hook
+        silent = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, silent), torch.enable_grad():
+            self.engine.prepare(batch, self._microbatch_step(probe, batch_idx))
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("validation_step", batch, batch_idx, *rest)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("test_step", batch, batch_idx, *rest)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        outputs = self._evaluation_step("predict_step", batch, batch_idx, *rest)
+        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+            return torch.cat(outputs)
+        return outputs
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
+        if self._manual is not None:
+            return self._manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._restore_gradients()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            if self._manual is None:  # manual_backward reduced its gradients already
+                self.engine.reduce_gradients()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        self.engine.after_optimizer_step()
+        return output
+
+    def _patch_clipping(self) -> None:
+        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage. (By hand:
+        one unsharded stage whose gradients are reduced at backward, so Lightning's clipping is right as it is.)"""
+        if self._clip_patched or not self.lightning_module.automatic_optimization:
+            return
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
+        self._clip_patched = True
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._tensorless_dump:
+            return {}
+        return checkpoint_io.local_module_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._tensorless_dump:
+            return {"param_groups": checkpoint_io.optimizer_hyperparameters(optimizer)}
+        return checkpoint_io.local_optimizer_state(optimizer, self.lightning_module)
+
+    def _snapshot_for_recovery(self, trainer: Any) -> None:
+        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep."""
+        self._tensorless_dump = True
+        try:
+            common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._tensorless_dump = False
+        del common["state_dict"]
+        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
+        common["zorse"] = checkpoint_io.zorse_section(self._plan, self.inventory, sampler)
+        self._keeper.snapshot(trainer.global_step, common, self.lightning_module, self._raw_optimizers())
+
+    def _keep_survivor_state(self) -> None:
+        if self._recovery.enabled and self.lightning_module is not None:
+            directory = fast_recovery.keeping_directory(self._recovery, self.lightning_module.trainer)
+            self._keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
+
+    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if states and checkpoint_io.NAMED_STATE_KEY in states[0]:
+            self._pending_optimizer_states = list(states)  # applied once the optimizers are restricted
+        else:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Atomic across ranks: every rank writes its share, then rank 0 publishes (see checkpoint_io)."""
+        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
+        checkpoint["zorse"] = checkpoint_io.zorse_section(self._plan, self.inventory, sampler)
+        checkpoint_io.save(checkpoint, filepath, checkpoint_io.manifest_metadata(self.lightning_module, self._plan))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not checkpoint_io.is_checkpoint_directory(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._recovery.enabled:
+            checkpoint, self.recovery_report = fast_recovery.load(
+                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
+            )
+        else:
+            checkpoint = checkpoint_io.load(checkpoint_path, self.global_rank, self.world_size)
+        zorse = checkpoint.get("zorse") or {}
+        if zorse.get("plan"):
+            self._checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
+        sampler = zorse.get("sampler")
+        if sampler:
+            self._samples_done = sampler["samples_done"]
+            self._restored_sampler = SamplerState(**sampler)
+        return checkpoint
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Another rank's loss or failure is named here; an error of this rank's own is told to the others."""
+        if self._watchdog is not None:
+            lost = self._watchdog.explain(exception)
+            if lost is not None:
+                self._keep_survivor_state()
+                raise lost from exception
+
+    @override
+    def teardown(self) -> None:
+        """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._emulation is not None:
+            self._emulation.stop()
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="zorse: plans and trains on mixed GPU types"
+        )
+        strategy_registry.register(
+            "zorse_gpipe", cls, description="zorse with the GPipe schedule", schedule="gpipe"
+        )
+        strategy_registry.register(
+            "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
+        )
