@@ -98,7 +98,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.strategy.environment import HeterogeneousEnvironment
-    from zorse_lightning.startup.planning import within_profiled_sizes
+    from zorse_lightning.startup.plan_at_start import within_profiled_sizes
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from zorse_lightning.planner.evaluate import CostContext, plan_cost
@@ -148,16 +148,17 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     measured = {"plan": fit(planned)}
     dp = None
     if environment.global_rank() == 0:
-        dp = make_plan(planned.start_up_inventory, planned.start_up_profile, config.global_batch, within_profiled_sizes(PlannerOptions(
+        dp_options, _ = within_profiled_sizes(PlannerOptions(
             solver_time_limit_s=config.solver_time_limit_s, allow_pipeline=False, allow_idle_ranks=False,
             no_pipeline_reason="the data-parallel baseline of bench/slow_link.py",
-        )))
+        ))
+        dp = make_plan(planned.startup.inventory, planned.startup.profile, config.global_batch, dp_options)
     box = [dp]
     dist.broadcast_object_list(box, src=0)
     dp = box[0]
     measured["dp"] = fit(ZorseStrategy(cluster=mapping, plan=dp, emulation_slowdown=config.emulation_slowdown))
     if environment.global_rank() == 0:
-        context = CostContext.build(planned.start_up_inventory, planned.start_up_profile)
+        context = CostContext.build(planned.startup.inventory, planned.startup.profile)
         result = {}
         for name, plan in (("plan", planned.plan), ("dp", dp)):
             cost = plan_cost(context, plan)

@@ -6,6 +6,7 @@ processes, since it ends them all. Run as a script, this file is one rank.
 """
 
 from __future__ import annotations
+from testing.gpt_reference import CPU_SIM3
 from testing.launch import free_port, torchrun_variables
 
 import os
@@ -19,14 +20,6 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 3
-CLUSTER = {
-    "name": "cpu_sim3", "emulated": True,
-    "machines": [{"name": "localhost", "intra_bandwidth_gbps": 10, "gpus": [
-        {"type": "a100x40", "count": 1, "memory_gib": 0.4},
-        {"type": "v100x16", "count": 1, "memory_gib": 0.16},
-        {"type": "t4", "count": 1, "memory_gib": 0.16},
-    ]}],
-}
 FAILING_STEP = 1
 
 
@@ -34,7 +27,7 @@ def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
     import lightning.pytorch as pl
     import torch
     from testing.plans import hand_plan
-    from test_strategy_training import _tokens
+    from testing.gpt_reference import tokens
     from torch.utils.data import DataLoader
 
     from zorse_lightning.cluster.config import load_cluster
@@ -52,7 +45,7 @@ def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(torchrun_variables(rank, WORLD, port))
-    inventory = load_cluster(CLUSTER)
+    inventory = load_cluster(CPU_SIM3)
     plan = hand_plan([((0,), (4,), (0, 2)), ((1, 2), (2, 2), (2, 4))], microbatch_size=2, inventory=inventory)
     strategy = ZorseStrategy(
         cluster=inventory, plan=plan, emulate=False, faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25)
@@ -63,7 +56,7 @@ def _run_rank(rank: int, port: int, scenario: str, out_dir: Path) -> None:
     )
     model = Failing(vocab_size=40, seq_len=8, width=32, layers=4, heads=2)
     try:
-        trainer.fit(model, DataLoader(_tokens(8 * 3), batch_size=8))
+        trainer.fit(model, DataLoader(tokens(8 * 3), batch_size=8))
     except BaseException as error:
         (out_dir / f"rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
         raise

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_faults import CLUSTER
-from test_strategy_training import GLOBAL_BATCH, Recorder, _gpt, _tokens
+from testing.gpt_reference import CPU_SIM3 as CLUSTER
+from testing.gpt_reference import GLOBAL_BATCH, Recorder, gpt, tokens
 from torch.utils.data import DataLoader
 
 from zorse_lightning.capabilities import Sharding
@@ -70,8 +70,8 @@ def _fit(world: int, tmp: Path, steps: int, ckpt_path: Path | None = None, save_
         max_steps=steps, logger=False, enable_checkpointing=save_every is not None, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp, callbacks=callbacks,
     )
-    model = _gpt()
-    loader = DataLoader(_tokens(GLOBAL_BATCH * EPOCH_BATCHES), batch_size=GLOBAL_BATCH // world, shuffle=True)
+    model = gpt()
+    loader = DataLoader(tokens(GLOBAL_BATCH * EPOCH_BATCHES), batch_size=GLOBAL_BATCH // world, shuffle=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
     return trainer, model, recorder.values
 
@@ -85,7 +85,7 @@ def _join(world: int, port: int) -> None:
 def _finish(name: str, trainer: pl.Trainer, model: pl.LightningModule, losses: list[float], tmp: Path) -> dict:
     trainer.save_checkpoint(tmp / f"{name}.ckpt")
     held = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
-    exported = export_state_dict(tmp / f"{name}.ckpt", _gpt())
+    exported = export_state_dict(tmp / f"{name}.ckpt", gpt())
     return {
         "losses": losses,
         "step": trainer.global_step,
@@ -144,7 +144,7 @@ def test_mid_epoch_resume_from_model_checkpoint_equals_the_uninterrupted_run(res
     uninterrupted, resumed = export_state_dict(out / "A.ckpt"), export_state_dict(out / "B.ckpt")
     assert _max_diff(uninterrupted, resumed) < 1e-6
     assert _max_diff(uninterrupted, export_state_dict(out / "every" / "step=4.ckpt")) == 0.0
-    assert _max_diff(uninterrupted, _gpt().state_dict()) > 1e-3  # it trained
+    assert _max_diff(uninterrupted, gpt().state_dict()) > 1e-3  # it trained
     for result in ranks:
         assert result["B"]["step"] == STEPS and len(result["B"]["losses"]) == STEPS - EVERY
         assert max(abs(a - b) for a, b in zip(result["B"]["losses"], result["A"]["losses"][EVERY:])) < 1e-6
@@ -172,7 +172,7 @@ def test_export_is_the_whole_model_loadable_without_zorse(results):
     out, ranks = results
     exported = export_state_dict(out / "A.ckpt")
     assert exported["head.weight"].data_ptr() == exported["tok_emb.weight"].data_ptr()  # tied: one tensor
-    plain = _gpt()
+    plain = gpt()
     plain.load_state_dict(exported)  # strict: every key of the user's module, nothing else
     assert plain.head.weight is plain.tok_emb.weight
     for result in ranks:  # what each rank held at the end is what the export gathered

@@ -30,8 +30,8 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_faults import CLUSTER
-    from test_strategy_training import _gpt, _tokens
+    from testing.gpt_reference import CPU_SIM3 as CLUSTER
+    from testing.gpt_reference import gpt, tokens
     from torch.utils.data import DataLoader
 
     from zorse_lightning.cluster.config import load_cluster
@@ -67,7 +67,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
                                             save_top_k=-1)],
     )
     ckpt = out / "killed" / f"step={KILLED_AT - 1}.ckpt" if phase == "resumed" else None
-    trainer.fit(_gpt(), DataLoader(_tokens(8 * 6), batch_size=8, shuffle=True), ckpt_path=ckpt)
+    trainer.fit(gpt(), DataLoader(tokens(8 * 6), batch_size=8, shuffle=True), ckpt_path=ckpt)
     if phase == "resumed" and rank == 0:
         report = strategy.recovery_report
         (out / "report.json").write_text(json.dumps({

@@ -27,14 +27,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_strategy_training import (
-    CLIP,
-    GLOBAL_BATCH,
-    Recorder,
-    _gpt,
-    _reference,
-    _tokens,
-)
 from torch.utils.data import DataLoader
 
 from zorse_lightning.capabilities import Sharding
@@ -42,6 +34,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.checkpoint_files import MANIFEST, shard_name
 from zorse_lightning.apps.export_app import export_state_dict
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
+from testing.gpt_reference import CLIP, GLOBAL_BATCH, Recorder, gpt, reference_training, tokens
 from testing.launch import spawn_ranks
 from testing.plans import hand_plan
 
@@ -78,7 +71,7 @@ class BatchKinds(pl.Callback):
 
 
 def _loader(batches: int) -> DataLoader:
-    return DataLoader(_tokens(GLOBAL_BATCH * batches), batch_size=GLOBAL_BATCH // WORLD, shuffle=False)
+    return DataLoader(tokens(GLOBAL_BATCH * batches), batch_size=GLOBAL_BATCH // WORLD, shuffle=False)
 
 
 def _trainer(tmp: Path, emulate: bool, callbacks: list[pl.Callback], pipelined: bool = True,
@@ -94,7 +87,7 @@ def _trainer(tmp: Path, emulate: bool, callbacks: list[pl.Callback], pipelined: 
 def _fit(tmp: Path, name: str, emulate: bool, ckpt_path: Path | None = None):
     recorder, kinds = Recorder("train_loss"), BatchKinds()
     every = ModelCheckpoint(dirpath=tmp / name, filename="{step}", every_n_train_steps=EVERY, save_top_k=-1)
-    trainer, model = _trainer(tmp, emulate, [recorder, kinds, every]), _gpt()
+    trainer, model = _trainer(tmp, emulate, [recorder, kinds, every]), gpt()
     trainer.fit(model, train_dataloaders=_loader(STEPS), ckpt_path=ckpt_path)
     trainer.save_checkpoint(tmp / f"{name}.ckpt")
     return trainer, model, recorder.values, kinds.kinds
@@ -102,9 +95,9 @@ def _fit(tmp: Path, name: str, emulate: bool, ckpt_path: Path | None = None):
 
 def _data_parallel(tmp: Path) -> dict:
     recorder, steps = Recorder("train_loss"), EVERY
-    trainer, model = _trainer(tmp / "D", False, [recorder], pipelined=False, steps=steps), _gpt()
+    trainer, model = _trainer(tmp / "D", False, [recorder], pipelined=False, steps=steps), gpt()
     trainer.fit(model, train_dataloaders=_loader(steps))
-    expected, expected_losses = _reference(_gpt(), _tokens(GLOBAL_BATCH * steps), CLIP, steps=steps)
+    expected, expected_losses = reference_training(gpt(), tokens(GLOBAL_BATCH * steps), CLIP, steps=steps)
     held = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
     return {
         "step": trainer.global_step,
@@ -117,7 +110,7 @@ def _data_parallel(tmp: Path) -> dict:
 def _evaluate(rank: int, trainer: pl.Trainer, model: pl.LightningModule, reference: pl.LightningModule) -> dict:
     validated = trainer.validate(model, dataloaders=_loader(EVAL_BATCHES), verbose=False)
     predicted = trainer.predict(model, dataloaders=_loader(EVAL_BATCHES))
-    dataset = _tokens(GLOBAL_BATCH * EVAL_BATCHES)
+    dataset = tokens(GLOBAL_BATCH * EVAL_BATCHES)
     batches = [dataset[b * GLOBAL_BATCH : (b + 1) * GLOBAL_BATCH] for b in range(EVAL_BATCHES)]
     with torch.no_grad():
         expected_loss = sum(reference._loss(batch).item() for batch in batches) / EVAL_BATCHES
@@ -133,8 +126,8 @@ def _evaluate(rank: int, trainer: pl.Trainer, model: pl.LightningModule, referen
 
 def _worker(rank: int, tmp: Path) -> dict:
     trainer, model, losses, kinds = _fit(tmp, "A", emulate=False)
-    reference = _gpt()
-    expected, expected_losses = _reference(reference, _tokens(GLOBAL_BATCH * STEPS), CLIP, steps=STEPS)
+    reference = gpt()
+    expected, expected_losses = reference_training(reference, tokens(GLOBAL_BATCH * STEPS), CLIP, steps=STEPS)
     held = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
     result = {
         "A": {
@@ -177,11 +170,11 @@ def test_checkpoint_with_an_idle_rank_is_complete_and_exports(results):
     manifest = json.loads((out / "A.ckpt" / MANIFEST).read_text())
     assert sorted(manifest["contents"]) == [shard_name(r) for r in range(WORLD)]
     assert manifest["contents"][shard_name(IDLE)]["state_dict"] == []  # the idle rank holds nothing to write
-    reference = _gpt()
-    expected, _ = _reference(reference, _tokens(GLOBAL_BATCH * STEPS), CLIP, steps=STEPS)
-    exported = export_state_dict(out / "A.ckpt", _gpt())
+    reference = gpt()
+    expected, _ = reference_training(reference, tokens(GLOBAL_BATCH * STEPS), CLIP, steps=STEPS)
+    exported = export_state_dict(out / "A.ckpt", gpt())
     assert max((exported[n] - p).abs().max().item() for n, p in expected.items()) < 1e-5
-    plain = _gpt()
+    plain = gpt()
     plain.load_state_dict(exported)  # strict: the whole model
     assert plain.head.weight is plain.tok_emb.weight
 

@@ -22,11 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.strategy.manual_optimization import (
-    MANUAL_OPTIMIZATION_REASON,
-    check_manual_plan,
-)
-from zorse_lightning.startup.planning import data_parallel_plan
+from zorse_lightning.planner.baselines import unprofiled_data_parallel
+from zorse_lightning.startup.plan_at_start import MANUAL_OPTIMIZATION_REASON
+from zorse_lightning.strategy.manual_optimization import check_manual_plan
 from zorse_lightning.strategy.precision import DynamicLossScale, ZorsePrecision
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from testing.launch import spawn_ranks
@@ -199,14 +197,14 @@ def test_one_process_trains_as_lightning_does(tmp_path):
 
 def test_sharded_or_idle_plans_and_loss_scaling_are_refused():
     inventory, module = load_cluster(THREE), _module()
-    sharded = data_parallel_plan(inventory, 12, "cannot be cut")
+    sharded = unprofiled_data_parallel(inventory, 12, "cannot be cut")
     with pytest.raises(PlanningError, match="shards the optimizer state .'optimizer'.*sharding 'none'"):
         check_manual_plan(sharded, module, ZorsePrecision(None, "cpu"))
     idle = hand_plan([((0, 1), (8, 4), (0, 1))], inventory=inventory)
     idle = type(idle).from_dict({**idle.to_dict(), "world_size": 3, "idle_ranks": [2]})
     with pytest.raises(PlanningError, match=r"leaves ranks \[2\] idle"):
         check_manual_plan(idle, module, ZorsePrecision(None, "cpu"))
-    unsharded = data_parallel_plan(inventory, 12, MANUAL_OPTIMIZATION_REASON, shard_optimizer=False)
+    unsharded = unprofiled_data_parallel(inventory, 12, MANUAL_OPTIMIZATION_REASON, shard_optimizer=False)
     with pytest.raises(PlanningError, match="precision='32-true'"):
         check_manual_plan(unsharded, module, ZorsePrecision(torch.float16, "cpu", DynamicLossScale()))
     check_manual_plan(unsharded, module, ZorsePrecision(None, "cpu"))  # accepted

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from testing.plans import hand_plan
-from test_strategy_training import GLOBAL_BATCH, STEPS, VOCAB, Recorder, _compare, _reference
+from testing.gpt_reference import GLOBAL_BATCH, STEPS, VOCAB, Recorder, compare, reference_training
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
@@ -42,14 +42,14 @@ class _SgdGpt(GPT):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _gpt() -> GPT:
+def gpt() -> GPT:
     """Blocks of about a millisecond per sample: emulated deadlines stay well above the hooks' overhead,
     so the start-up profile (and the plan made from it) reflects the emulated speeds."""
     torch.manual_seed(0)
     return _SgdGpt(vocab_size=VOCAB, seq_len=SEQ, width=128, layers=4, heads=4)
 
 
-def _tokens(count: int) -> TensorDataset:
+def tokens(count: int) -> TensorDataset:
     tokens = torch.randint(0, VOCAB, (count, SEQ + 1), generator=torch.Generator().manual_seed(2))
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
@@ -61,17 +61,17 @@ def _fit(model: pl.LightningModule, strategy: ZorseStrategy, tmp: Path) -> Recor
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder], default_root_dir=tmp,
     )
-    trainer.fit(model, train_dataloaders=DataLoader(_tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH))
+    trainer.fit(model, train_dataloaders=DataLoader(tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH))
     return recorder
 
 
 def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
-    model = _gpt()
+    model = gpt()
     recorder = _fit(model, strategy, tmp)
-    expected, losses = _reference(_gpt(), _tokens(GLOBAL_BATCH * STEPS), None)
+    expected, losses = reference_training(gpt(), tokens(GLOBAL_BATCH * STEPS), None)
     emulator = strategy.emulation.emulator
     return {
-        "param_diff": _compare(model, expected),
+        "param_diff": compare(model, expected),
         "loss_diff": max(abs(a - b) for a, b in zip(recorder.values, losses)),
         "stages": [
             {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank)}

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from testing.plans import hand_plan
-from test_strategy_training import GLOBAL_BATCH, _gpt, _tokens
+from testing.gpt_reference import GLOBAL_BATCH, gpt, tokens
 from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.config import load_cluster
@@ -45,16 +45,16 @@ def _trainer(tmp: Path, max_steps: int = -1, sanity_steps: int = 0) -> pl.Traine
 
 
 def _loader(batches: int, shuffle: bool = False) -> DataLoader:
-    return DataLoader(_tokens(GLOBAL_BATCH * batches), batch_size=PER_RANK_BATCH, shuffle=shuffle)
+    return DataLoader(tokens(GLOBAL_BATCH * batches), batch_size=PER_RANK_BATCH, shuffle=shuffle)
 
 
 def _evaluation_case(tmp: Path) -> dict:
-    model, reference = _gpt(), _gpt()
+    model, reference = gpt(), gpt()
     trainer = _trainer(tmp)  # one Trainer: its strategy cuts the module once, for all three
     validated = trainer.validate(model, dataloaders=_loader(EVAL_BATCHES), verbose=False)
     tested = trainer.test(model, dataloaders=_loader(EVAL_BATCHES), verbose=False)
     predicted = trainer.predict(model, dataloaders=_loader(EVAL_BATCHES))
-    dataset = _tokens(GLOBAL_BATCH * EVAL_BATCHES)
+    dataset = tokens(GLOBAL_BATCH * EVAL_BATCHES)
     batches = [dataset[b * GLOBAL_BATCH : (b + 1) * GLOBAL_BATCH] for b in range(EVAL_BATCHES)]
     with torch.no_grad():
         losses = [reference._loss(batch).item() for batch in batches]
@@ -81,13 +81,13 @@ def _fit(model: pl.LightningModule, tmp: Path, steps: int, ckpt_path: Path | Non
 
 def _resume_case(tmp: Path) -> dict:
     checkpoint = tmp / "resume.ckpt"
-    first = _fit(_gpt(), tmp, RESUME_STEPS)
+    first = _fit(gpt(), tmp, RESUME_STEPS)
     first.save_checkpoint(checkpoint)
     stepped = {id(p) for group in first.optimizers[0].param_groups for p in group["params"]}
     local = {id(p) for p in first.strategy.engine.local_parameters()}
-    resumed = _gpt()
+    resumed = gpt()
     resumed_trainer = _fit(resumed, tmp, 2 * RESUME_STEPS, ckpt_path=checkpoint)
-    uninterrupted = _gpt()
+    uninterrupted = gpt()
     _fit(uninterrupted, tmp, 2 * RESUME_STEPS)
     held = {n: p for n, p in resumed.named_parameters() if p.device.type != "meta"}
     expected = dict(uninterrupted.named_parameters())
@@ -95,7 +95,7 @@ def _resume_case(tmp: Path) -> dict:
         "param_diff": max((held[n] - expected[n]).abs().max().item() for n in held),
         "held": len(held),
         "global_step": resumed_trainer.global_step,
-        "moved": max((held[n] - p).abs().max().item() for n, p in _gpt().named_parameters() if n in held),
+        "moved": max((held[n] - p).abs().max().item() for n, p in gpt().named_parameters() if n in held),
         "optimizer_steps_only_this_stage": bool(local) and stepped == local,
     }
 

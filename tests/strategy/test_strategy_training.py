@@ -15,43 +15,16 @@ import torch
 from lightning.pytorch.demos import LightningTransformer
 from testing.plans import hand_plan
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
-from zorse_lightning.models.gpt import GPT
 from testing.launch import spawn_ranks
+from testing.gpt_reference import (
+    CLIP, GLOBAL_BATCH, PER_RANK_BATCH, STEPS, VOCAB, WORLD, Recorder, compare, gpt, reference_training, tokens,
+)
 
 pytestmark = pytest.mark.multiprocess
-
-WORLD = 4
-STEPS = 3
-PER_RANK_BATCH = 4
-GLOBAL_BATCH = PER_RANK_BATCH * WORLD
-SEQ, VOCAB = 8, 40
-CLIP = 0.5
-
-
-class Recorder(pl.Callback):
-    """Logged values after each step, as rank 0's loggers and progress bar see them."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.values = name, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.values.append(float(trainer.callback_metrics[self.name]))
-
-
-def _tokens(count: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, VOCAB, (count, SEQ + 1), generator=generator)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def _gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=3e-3)
-
 
 def _transformer() -> LightningTransformer:
     torch.manual_seed(0)
@@ -65,36 +38,6 @@ def _transformer() -> LightningTransformer:
     return model
 
 
-def _reference(
-    model: pl.LightningModule, dataset: TensorDataset, clip: float | None, steps: int = STEPS
-) -> tuple[dict, list[float]]:
-    optimizer = model.configure_optimizers()
-    losses = []
-    for step in range(steps):
-        inputs, targets = (t.contiguous() for t in dataset[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
-        loss = model.training_step.__func__(_Unlogged(model), (inputs, targets), step)
-        loss.backward()
-        losses.append(loss.item())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}, losses
-
-
-class _Unlogged:
-    """The module seen by its own training_step outside a Trainer: ``self.log`` does nothing."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str):
-        return (lambda *a, **k: None) if name == "log" else getattr(self._module, name)
-
-    def __call__(self, *args, **kwargs):
-        return self._module(*args, **kwargs)
-
-
 def _fit(model, strategy, clip, metric, tmp: Path, steps: int = STEPS) -> tuple[pl.Trainer, Recorder]:
     recorder = Recorder(metric)
     trainer = pl.Trainer(
@@ -102,14 +45,9 @@ def _fit(model, strategy, clip, metric, tmp: Path, steps: int = STEPS) -> tuple[
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder] if metric else [], default_root_dir=tmp,
     )
-    loader = DataLoader(_tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH, shuffle=False)
+    loader = DataLoader(tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
     return trainer, recorder
-
-
-def _compare(model, expected: dict) -> float:
-    held = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
-    return max((held[n].detach() - expected[n]).abs().max().item() for n in held)
 
 
 def _gpt_case(rank: int, tmp: Path) -> dict:
@@ -117,14 +55,14 @@ def _gpt_case(rank: int, tmp: Path) -> dict:
     plan = hand_plan(
         [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 4))], microbatch_size=2, inventory=inventory
     )
-    model = _gpt()
+    model = gpt()
     strategy = ZorseStrategy(cluster=inventory, plan=plan, emulate=False)
     trainer, recorder = _fit(model, strategy, CLIP, "train_loss", tmp)
-    expected, losses = _reference(_gpt(), _tokens(GLOBAL_BATCH * STEPS), CLIP)
+    expected, losses = reference_training(gpt(), tokens(GLOBAL_BATCH * STEPS), CLIP)
     checkpoint = tmp / "gpt.ckpt"
     trainer.save_checkpoint(checkpoint)
     result = {
-        "param_diff": _compare(model, expected),
+        "param_diff": compare(model, expected),
         "loss_diff": max(abs(a - b) for a, b in zip(recorder.values, losses)),
         "plan_stages": len(trainer.strategy.plan.stages),
     }
@@ -133,7 +71,7 @@ def _gpt_case(rank: int, tmp: Path) -> dict:
 
         saved = load(checkpoint, 0, 1)
         result["checkpoint_diff"] = max((saved["state_dict"][n] - expected[n]).abs().max().item() for n in expected)
-        result["checkpoint_missing"] = sorted(set(_gpt().state_dict()) - set(saved["state_dict"]))
+        result["checkpoint_missing"] = sorted(set(gpt().state_dict()) - set(saved["state_dict"]))
         states = saved["optimizer_states"][0]["zorse_state_by_name"]
         result["optimizer_states"] = len(states)
     return result
@@ -145,10 +83,10 @@ def _transformer_case(rank: int, tmp: Path) -> dict:
     # Two steps: from the third on, its SGD (lr 0.1) amplifies float32 rounding past 1e-5 even between
     # one process with and without gradient accumulation (measured: 2.6e-7 after two steps, 6.6e-5 after three).
     trainer, _ = _fit(model, strategy, None, None, tmp, steps=2)
-    expected, _ = _reference(_transformer(), _tokens(GLOBAL_BATCH * STEPS), None, steps=2)
+    expected, _ = reference_training(_transformer(), tokens(GLOBAL_BATCH * STEPS), None, steps=2)
     plan = trainer.strategy.plan
     return {
-        "param_diff": _compare(model, expected),
+        "param_diff": compare(model, expected),
         "stages": len(plan.stages),
         "microbatches": list(plan.stages[0].microbatches_per_rank),
         "notes": list(plan.notes),
@@ -174,10 +112,10 @@ def test_pipelined_gpt_matches_single_process(results):
 
 
 def test_checkpoint_holds_every_stage_and_shard(results):
-    gpt = results[0]["gpt"]
-    assert gpt["checkpoint_missing"] == []
-    assert gpt["checkpoint_diff"] < 1e-5
-    assert gpt["optimizer_states"] == len(list(_gpt().parameters()))
+    case = results[0]["gpt"]
+    assert case["checkpoint_missing"] == []
+    assert case["checkpoint_diff"] < 1e-5
+    assert case["optimizer_states"] == len(list(gpt().parameters()))
 
 
 def test_encoder_decoder_falls_back_to_data_parallel(results):

@@ -93,8 +93,9 @@ def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:
 
     plan = strategy.plan
     plan.save(output_dir / "plan.json")
-    if strategy.start_up_profile is not None:
-        ctx = CostContext.build(strategy.start_up_inventory, strategy.start_up_profile)
+    startup = strategy.startup
+    if startup is not None and startup.profile is not None:
+        ctx = CostContext.build(startup.inventory, startup.profile)
         Console(width=160).print(plan_table(plan, ctx))
         draw_plan_timeline(plan, ctx, output_dir / "timeline.png")
     for note in plan.notes:  # why the plan looks as it does (no cuts for a module optimising by hand, ...)

@@ -25,8 +25,8 @@ from zorse_lightning.emulation.emulator import (
     ComputeEmulator,
     cpu_cores_demanded,
     emulated_modules,
-    emulation_spec_for_rank,
 )
+from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.module.microbatch import samples_in
 from zorse_lightning.errors import InventoryError
 
@@ -79,9 +79,9 @@ class EmulateCluster(Callback):
                 "their deadlines; raise fastest_slowdown above %g",
                 self.inventory.name, demand, cores, self.fastest_slowdown,
             )
-        spec = emulation_spec_for_rank(self.inventory, trainer.global_rank, self.fastest_slowdown)
-        if self._emulator is None or self._emulator.spec != spec:
-            self._emulator = ComputeEmulator(spec, rank=trainer.global_rank)
+        emulation = RankEmulation(self.inventory, trainer.global_rank, self.fastest_slowdown)
+        if self._emulator is None or self._emulator.spec != emulation.spec:
+            self._emulator = emulation.emulator()
         self._emulator.instrument(self._select_modules(pl_module))
 
     @override

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
 from torch import nn
 
-from zorse_lightning.emulation.emulator import ComputeEmulator, emulation_spec_for_rank, named_emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
+from zorse_lightning.emulation.rank import RankEmulation
+from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.engine.cutting import StageCut, StageOutput
 from zorse_lightning.engine.executor import PipelineEngine
 
@@ -22,25 +25,21 @@ class StageEmulation:
         self._costs_agreed = False
 
     @classmethod
-    def start(cls, strategy: Any, engine: PipelineEngine) -> StageEmulation:
-        """This rank's emulation, on the costs calibrated at start-up when the strategy planned (so the run
-        and the profile behind its prediction use the same costs), else on costs calibrated at first use."""
-        rank = strategy.global_rank
-        costs = strategy.calibrated_costs
-        emulator = ComputeEmulator(
-            emulation_spec_for_rank(strategy.inventory, rank, strategy.emulation_slowdown), rank=rank, costs=costs
-        )
-        emulator.batch_samples = strategy.plan.microbatch_size  # the engine calls the step per microbatch
-        module = strategy.lightning_module
+    def start(
+        cls, emulation: RankEmulation, costs: Mapping[str, CallCost] | None, module: nn.Module, engine: PipelineEngine,
+        optimizers: list[Any], microbatch_size: int,
+    ) -> StageEmulation:
+        """This rank's emulation of its stage, on ``costs`` (calibrated at start-up when the strategy planned, so
+        the run and the profile behind its prediction use the same costs; else calibrated at first use)."""
         named = named_emulated_modules(module)
-        if engine.cut is None:
-            boundaries = None
-        else:
+        if engine.cut is not None:
             named = _stage_modules(module, engine.cut, named)
-        emulator.instrument([m for _, m in named], names=[n for n, _ in named])
+        emulator = emulation.instrumented(module, costs, named=named)
+        emulator.batch_samples = microbatch_size  # the engine calls the step per microbatch
+        boundaries = None
         if engine.cut is not None:
             boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
-        emulator.track_memory(module, strategy.optimizers)
+        emulator.track_memory(module, optimizers)
         return cls(emulator, boundaries)
 
     def after_step(self) -> None:

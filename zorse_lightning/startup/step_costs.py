@@ -19,13 +19,7 @@ from typing import Any
 import torch
 
 from zorse_lightning.module.blocks import BlockList
-from zorse_lightning.emulation.emulator import (
-    ComputeEmulator,
-    emulation_spec_for_rank,
-    named_emulated_modules,
-)
 from zorse_lightning.module.microbatch import microbatch_slice, samples_in
-from zorse_lightning.strategy.log_capture import LogCapture, capturing_logs
 from zorse_lightning.profiling.measure import synchronize
 from zorse_lightning.profiling.profile import BlockTimes, TimeCurve
 
@@ -116,31 +110,3 @@ def measure_optimizer_ms_per_million_parameters(device: torch.device, warmup: in
         if run >= warmup:
             runs.append((time.perf_counter() - start) * 1e3)
     return statistics.median(runs) * 1e6 / OPTIMIZER_PROBE_PARAMETERS
-
-
-def measure_rank_step_costs(strategy: Any, blocks: BlockList, batch: Any) -> tuple[StepEdges, float]:
-    """This rank's step edges (through its emulation on an emulated cluster) and optimizer rate.
-
-    The emulator is the one the run will use: the costs calibrated at start-up,
-    this rank's GPU type, so the edges are priced as the run will charge them.
-    """
-    module = strategy.lightning_module
-    emulator = None
-    if strategy.calibrated_costs is not None:
-        spec = emulation_spec_for_rank(strategy.inventory, strategy.global_rank)
-        emulator = ComputeEmulator(spec, rank=strategy.global_rank, costs=strategy.calibrated_costs)
-        named = named_emulated_modules(module)
-        emulator.instrument([m for _, m in named], names=[n for n, _ in named])
-
-    def step(micro: Any) -> Any:
-        if emulator is not None:
-            emulator.batch_samples = samples_in(micro)
-        return module.training_step(micro, 0)
-
-    try:
-        with capturing_logs(module, LogCapture(1)):
-            edges = measure_step_edges(step, blocks, batch, strategy.root_device)
-    finally:
-        if emulator is not None:
-            emulator.remove()
-    return edges, measure_optimizer_ms_per_million_parameters(strategy.root_device)

@@ -38,13 +38,6 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.planner.plan import Plan
 
-MANUAL_OPTIMIZATION_REASON = (
-    "the module optimises by hand (automatic_optimization=False), so the engine cannot own its backward and "
-    "optimizer steps across pipeline stages; optimizer state is not sharded, every rank steps every weight"
-)
-"""The note's reason in a plan made for such a module (``data parallel only: <reason>``)."""
-
-
 def check_manual_plan(plan: Plan, module: nn.Module, precision_plugin: Any) -> None:
     """A module that optimises by hand needs one stage of every rank, unsharded, without loss scaling."""
     if getattr(module, "automatic_optimization", True):

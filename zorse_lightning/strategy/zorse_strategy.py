@@ -8,17 +8,25 @@ gradients (weighted by samples, over each weight's stages) before Lightning's
 clipping and the optimizer; clipping uses the global norm over all stages.
 ``self.log`` inside microbatches is captured and replayed once per step.
 A module that optimises by hand owns its step instead (strategy/manual_optimization.py).
+
+Start-up is one call: :func:`~zorse_lightning.startup.plan_at_start.run_startup`
+takes the first batch and the user's step and returns the plan (and what the
+emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
@@ -26,82 +34,96 @@ from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.startup.detection import detect_cluster
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
-from zorse_lightning.errors import ZorseUserError
+from zorse_lightning.emulation.rank import RankEmulation
+from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
-from zorse_lightning.engine.faults import FaultPolicy, Watchdog
+from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
-from zorse_lightning.strategy import checkpoint_io, fast_recovery
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.startup.detection import detect_cluster
+from zorse_lightning.startup.plan_at_start import StartupInputs, StartupResult, run_startup
+from zorse_lightning.strategy import checkpoint_io
+from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks, ResumeState
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
-from zorse_lightning.strategy.processes import ProcessStrategy
+from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
-from zorse_lightning.startup.planning import check_plan_against, resolve_plan
-from zorse_lightning.strategy.recovery import start_watchdog
+from zorse_lightning.strategy.plan_checks import check_plan_against, resolve_plan
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
-from zorse_lightning.strategy.sampler import PlanBatchSampler, SamplerState, plan_dataloader
-from zorse_lightning.emulation.stage import StageEmulation
+from zorse_lightning.strategy.recovery import start_watchdog
+from zorse_lightning.strategy.sampler import plan_dataloader
 from zorse_lightning.strategy.validation import check_detected_devices, check_plan_for_module, local_device_report
-from zorse_lightning.planner.plan import Plan
-from zorse_lightning.profiling.profile import ModelProfile
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
+PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed"]
 
 
-class ZorseStrategy(ProcessStrategy):
+class ZorseStrategy(CheckpointHooks):
+    """Trains one LightningModule over the mixed GPUs of ``cluster`` by a planned pipeline.
+
+    Args:
+        cluster: the inventory: a name in ``conf/cluster/`` (``"cpu_sim4"``), a YAML path, a mapping or a
+            :class:`~zorse_lightning.cluster.inventory.ClusterInventory`. None: detected from the ranks' devices.
+        plan: a :class:`~zorse_lightning.planner.plan.Plan` or a ``plan.json`` to run as it is; None: profiled
+            and planned at start on the cluster.
+        planner_options: the planner's knobs and pins (:class:`~zorse_lightning.planner.options.PlannerOptions`);
+            only used when planning at start.
+        schedule: pins the pipeline schedule (``"1f1b"``, ``"gpipe"``) for planning at start, so the planner
+            prices what runs; with a given ``plan`` it must match the plan's schedule.
+        block_path: attribute path of the block list (``"model.layers"``); None: the longest list of
+            same-class modules.
+        seed: of the sampler's shuffling (the order of global batches, whatever the plan).
+        precision: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU) or one
+            of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        emulate: CPU ranks emulate their GPU types (speed and memory); None: when the cluster is emulated.
+        emulation_slowdown: how many times slower than this CPU the fastest emulated type runs (>= 1); raise it
+            where many ranks share few cores and overrun their deadlines.
+        faults: how long a silent rank may be before every other rank stops with an error naming it.
+        recovery: where survivors of a lost rank keep their state, read first by ``fit(ckpt_path=...)``.
+        timeout: of torch.distributed's collectives.
+        start_method: how Lightning starts the processes of one machine (``"popen"``: a script per rank;
+            ``"spawn"``, ``"fork"``, ``"forkserver"``: multiprocessing). torchrun and srun start their own.
+        cluster_environment, checkpoint_io, precision_plugin: Lightning's, as for any strategy; the
+            environment defaults to one that reads torchrun's or SLURM's ranks as they are.
+    """
+
     strategy_name = "zorse"
 
     def __init__(
         self,
-        cluster: Any = None,
+        cluster: ClusterSource | None = None,
         plan: Plan | str | Path | None = None,
-        planner_options: Any = None,
+        *,
+        planner_options: PlannerOptions | None = None,
+        schedule: str | None = None,
         block_path: str | None = None,
         seed: int = 0,
+        precision: PrecisionName = "auto",
         emulate: bool | None = None,
         emulation_slowdown: float = DEFAULT_FASTEST_SLOWDOWN,
-        timeout: timedelta = DEFAULT_TIMEOUT,
-        start_method: StartMethod = "popen",
-        schedule: str | None = None,
-        precision: str = "auto",
         faults: FaultPolicy = FaultPolicy(),
         recovery: RecoveryPolicy = RecoveryPolicy(),
-        **kwargs: Any,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: StartMethod = "popen",
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
-        """``cluster``: conf name, path, mapping or inventory; ``plan``: a Plan or plan file (else planned at
-        start); ``block_path``: attribute path of the block list (else found); ``seed``: of the sampler's
-        shuffling; ``emulate``: CPU ranks emulate their GPU types (default: when the cluster is emulated);
-        ``precision``: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU),
-        or one of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``; ``faults``: how long a silent rank
-        may be before every other rank stops with an error naming it; ``recovery``: where survivors of a lost
-        rank keep their state, read first by ``fit(ckpt_path=...)`` (strategy/fast_recovery.py)."""
-        if cluster is None and "environment" in kwargs:
-            kwargs["cluster_environment"] = kwargs.pop("environment")
-        if kwargs.get("cluster_environment") is None and HeterogeneousEnvironment.detect():
-            kwargs["cluster_environment"] = HeterogeneousEnvironment()
-        super().__init__(**kwargs)
+        if cluster_environment is None and HeterogeneousEnvironment.detect():
+            cluster_environment = HeterogeneousEnvironment()
+        super().__init__(
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
         self._cluster_source = cluster
-        if not emulation_slowdown >= 1.0:
-            raise ZorseUserError(
-                f"emulation_slowdown={emulation_slowdown!r} must be >= 1 (the fastest emulated type runs that many "
-                f"times slower than this CPU, so its real compute can meet its deadlines); the default is "
-                f"{DEFAULT_FASTEST_SLOWDOWN}"
-            )
-        self.emulation_slowdown = emulation_slowdown
         self._inventory: ClusterInventory | None = None
         self._plan_source = plan
-        self._plan: Plan | None = None
-        self.start_up_profile: ModelProfile | None = None
-        """The profile measured at start-up (rank 0 only; None when a plan was given)."""
-        self.start_up_inventory: ClusterInventory | None = None
-        """The cluster as the planner saw it at start-up: intra-machine rates as measured where slower
-        (startup/link_probe.py; rank 0 only, with :attr:`start_up_profile`)."""
-        self.calibrated_costs: dict | None = None
-        """Emulated CPU costs calibrated once at start-up (startup/planning.py), reused by the run's emulation."""
-        self._planner_options = planner_options
-        self._schedule_override = schedule
+        self._planner_options = _with_schedule(planner_options or PlannerOptions(), schedule)
+        RankEmulation.check_slowdown(emulation_slowdown)
+        self.emulation_slowdown = emulation_slowdown
         self._precision = precision
         self._precision_choice: PrecisionChoice | None = None
         self.block_path = block_path
@@ -109,22 +131,19 @@ class ZorseStrategy(ProcessStrategy):
         self._emulate = emulate
         self._timeout = timeout
         self._faults = faults
-        self._watchdog: Watchdog | None = None
         self._recovery = recovery
+        self._start_method = start_method
+        self._num_nodes = 1
         self._keeper = SurvivorKeeper()
         self._tensorless_dump = False
         self.recovery_report: RecoveryReport | None = None
         """Where the last ``fit(ckpt_path=...)`` resumed from and what it read (None before one)."""
-        self._start_method = start_method
-        self._num_nodes = 1
+        self._resume = ResumeState()
+        self._startup: StartupResult | None = None
+        self._plan: Plan | None = None
+        self._watchdog = None
         self._engine: PipelineEngine | None = None
         self._emulation: StageEmulation | None = None
-        self._pending_optimizer_states: list[dict[str, Any]] = []
-        self._samplers: list[PlanBatchSampler] = []
-        self._samples_done = 0
-        self._restored_sampler: SamplerState | None = None
-        self._checkpoint_global_batch_size: int | None = None
-        """The resumed checkpoint's global batch size: a plan made at start keeps it (startup/planning.py)."""
         self._clip_patched = False
         self._log_mergers: dict[str, LogMerger] = {}
         """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
@@ -149,6 +168,12 @@ class ZorseStrategy(ProcessStrategy):
                 "test/predict); pass plan=... to fix it in advance"
             )
         return self._plan
+
+    @property
+    def startup(self) -> StartupResult | None:
+        """What start-up measured and planned from (profile and cluster as measured on rank 0); None when a
+        plan was given or before the first dataloader."""
+        return self._startup
 
     @property
     def precision_choice(self) -> PrecisionChoice:
@@ -185,7 +210,9 @@ class ZorseStrategy(ProcessStrategy):
         if self._engine is None:
             broadcast_module(self.lightning_module)
             if self._plan_source is not None:
-                self._set_plan(resolve_plan(self._plan_source, self.inventory, self.world_size))
+                plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
+                _check_schedule(plan, self._planner_options)
+                self._set_plan(plan)
 
     def _set_precision(self) -> None:
         if self.inventory is not None:
@@ -206,8 +233,6 @@ class ZorseStrategy(ProcessStrategy):
             check_plan_against(plan, self.inventory)
         check_manual_plan(plan, self.lightning_module, self.precision_plugin)
         check_plan_for_module(plan, self.lightning_module, self.block_path, self.inventory)
-        if self._schedule_override is not None:
-            plan = Plan.from_dict({**plan.to_dict(), "schedule": self._schedule_override})
         if self._precision_choice is not None and self._precision_choice.note not in plan.notes:
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
         self._plan = plan
@@ -225,20 +250,49 @@ class ZorseStrategy(ProcessStrategy):
         # Once cut, other stages' weights are meta tensors (no data, nothing to move).
         self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
-    # -- data ------------------------------------------------------------------------------
+    # -- start-up and data -----------------------------------------------------------------
+
+    def _rank_emulation(self) -> RankEmulation | None:
+        """This rank's emulation: on CPU ranks of an emulated cluster (or when ``emulate=True``), else None."""
+        inventory = self.inventory
+        emulate = self._emulate if self._emulate is not None else bool(inventory and inventory.emulated)
+        if not emulate or self.root_device.type != "cpu" or inventory is None:
+            return None
+        return RankEmulation(inventory, self.global_rank, self.emulation_slowdown)
+
+    def _plan_at_start(self, loader: DataLoader) -> Plan:
+        if self.inventory is None:
+            raise PlanningError("ZorseStrategy needs a cluster (cluster='cpu_sim4', a config path or an inventory) or a plan")
+        if loader.batch_size is None:
+            raise PlanningError("the training DataLoader has no batch_size; give one, or pass a plan")
+        inputs = StartupInputs(
+            module=self.lightning_module, inventory=self.inventory, rank=self.global_rank,
+            world_size=self.world_size, device=self.root_device,
+            # On resume the checkpoint's global batch continues (same data order, same trajectory).
+            global_batch_size=self._resume.checkpoint_global_batch_size or loader.batch_size * self.world_size,
+            planner_options=self._planner_options, block_path=self.block_path, emulation=self._rank_emulation(),
+            automatic_optimization=self.lightning_module.automatic_optimization,
+        )
+        module = self.lightning_module
+
+        def run_step(micro: Any) -> Any:
+            with capturing_logs(module, LogCapture(1)):
+                return module.training_step(micro, 0)
+
+        batch = self.batch_to_device(next(iter(loader)))
+        self._startup = run_startup(inputs, batch, run_step)
+        return self._startup.plan
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
         if self._plan is None:
-            from zorse_lightning.startup.planning import plan_at_start
-
-            self._set_plan(plan_at_start(self, dataloader))
+            self._set_plan(self._plan_at_start(dataloader))
         loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
-        if self._restored_sampler is not None and not self._samplers:
-            loader.batch_sampler.restore(self._restored_sampler)
-        self._samplers.append(loader.batch_sampler)
+        if self._resume.restored_sampler is not None and not self._resume.samplers:
+            loader.batch_sampler.restore(self._resume.restored_sampler)
+        self._resume.samplers.append(loader.batch_sampler)
         return loader
 
     # -- the step --------------------------------------------------------------------------
@@ -257,15 +311,15 @@ class ZorseStrategy(ProcessStrategy):
         self._training_prepared = True
         for optimizer in self.optimizers:
             self.engine.setup_optimizer(optimizer)
-        for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
+        for optimizer, state in zip(self.optimizers, self._resume.pending_optimizer_states):
             checkpoint_io.load_optimizer_state(optimizer, self.lightning_module, state)
-        self._pending_optimizer_states = []
-        if self._emulation_enabled():
-            self._emulation = StageEmulation.start(self, self.engine)
-
-    def _emulation_enabled(self) -> bool:
-        emulate = self._emulate if self._emulate is not None else bool(self.inventory and self.inventory.emulated)
-        return emulate and self.root_device.type == "cpu" and self.inventory is not None
+        self._resume.pending_optimizer_states = []
+        emulation = self._rank_emulation()
+        if emulation is not None:
+            costs = self._startup.calibrated_costs if self._startup is not None else None
+            self._emulation = StageEmulation.start(
+                emulation, costs, self.lightning_module, self.engine, self.optimizers, self.plan.microbatch_size
+            )
 
     def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
         capture = LogCapture(self.plan.microbatch_size)
@@ -302,7 +356,7 @@ class ZorseStrategy(ProcessStrategy):
     def _step_done(self, batch_idx: int) -> None:
         if self._emulation is not None:
             self._emulation.after_step()
-        self._samples_done = (batch_idx + 1) * self.plan.global_batch_size
+        self._resume.samples_done = (batch_idx + 1) * self.plan.global_batch_size
 
     def _set_gradients_aside(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Lightning zeroes gradients (at an accumulation window's start) between ``training_step`` and
@@ -378,84 +432,6 @@ class ZorseStrategy(ProcessStrategy):
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
         self._clip_patched = True
 
-    # -- checkpoints -----------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._tensorless_dump:
-            return {}
-        return checkpoint_io.local_module_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self._tensorless_dump:
-            return {"param_groups": checkpoint_io.optimizer_hyperparameters(optimizer)}
-        return checkpoint_io.local_optimizer_state(optimizer, self.lightning_module)
-
-    def _snapshot_for_recovery(self, trainer: Any) -> None:
-        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep."""
-        self._tensorless_dump = True
-        try:
-            common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            self._tensorless_dump = False
-        del common["state_dict"]
-        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
-        common["zorse"] = checkpoint_io.zorse_section(self._plan, self.inventory, sampler)
-        self._keeper.snapshot(trainer.global_step, common, self.lightning_module, self._raw_optimizers())
-
-    def _keep_survivor_state(self) -> None:
-        if self._recovery.enabled and self.lightning_module is not None:
-            directory = fast_recovery.keeping_directory(self._recovery, self.lightning_module.trainer)
-            self._keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
-
-    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [getattr(o, "_optimizer", o) for o in self.optimizers]
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states", [])
-        if states and checkpoint_io.NAMED_STATE_KEY in states[0]:
-            self._pending_optimizer_states = list(states)  # applied once the optimizers are restricted
-        else:
-            super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Atomic across ranks: every rank writes its share, then rank 0 publishes (see checkpoint_io)."""
-        sampler = self._samplers[0].state(self._samples_done) if self._samplers else None
-        checkpoint["zorse"] = checkpoint_io.zorse_section(self._plan, self.inventory, sampler)
-        checkpoint_io.save(checkpoint, filepath, checkpoint_io.manifest_metadata(self.lightning_module, self._plan))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not checkpoint_io.is_checkpoint_directory(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self._recovery.enabled:
-            checkpoint, self.recovery_report = fast_recovery.load(
-                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
-            )
-        else:
-            checkpoint = checkpoint_io.load(checkpoint_path, self.global_rank, self.world_size)
-        zorse = checkpoint.get("zorse") or {}
-        if zorse.get("plan"):
-            self._checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
-        sampler = zorse.get("sampler")
-        if sampler:
-            self._samples_done = sampler["samples_done"]
-            self._restored_sampler = SamplerState(**sampler)
-        return checkpoint
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Another rank's loss or failure is named here; an error of this rank's own is told to the others."""
-        if self._watchdog is not None:
-            lost = self._watchdog.explain(exception)
-            if lost is not None:
-                self._keep_survivor_state()
-                raise lost from exception
-
     @override
     def teardown(self) -> None:
         """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
@@ -478,8 +454,29 @@ class ZorseStrategy(ProcessStrategy):
             cls.strategy_name, cls, description="zorse: plans and trains on mixed GPU types"
         )
         strategy_registry.register(
-            "zorse_gpipe", cls, description="zorse with the GPipe schedule", schedule="gpipe"
+            "zorse_gpipe", cls, description="zorse, planned and run with the GPipe schedule", schedule="gpipe"
         )
         strategy_registry.register(
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
+        )
+
+
+def _with_schedule(options: PlannerOptions, schedule: str | None) -> PlannerOptions:
+    """``options`` with ``schedule`` pinned, so the planner prices the schedule that runs."""
+    if schedule is None:
+        return options
+    if options.schedule is not None and options.schedule.value != schedule:
+        raise PlanningError(
+            f"schedule={schedule!r} contradicts planner_options.schedule={options.schedule.value!r}; give one of them"
+        )
+    return replace(options, schedule=schedule)
+
+
+def _check_schedule(plan: Plan, options: PlannerOptions) -> None:
+    """A given plan runs as planned: a pinned schedule that differs is an error, never a silent swap."""
+    if options.schedule is not None and options.schedule != plan.schedule:
+        raise PlanningError(
+            f"the given plan was made for schedule {plan.schedule.value!r} but schedule={options.schedule.value!r} "
+            f"was asked for; re-plan with that schedule (python -m zorse_lightning.plan planner.schedule="
+            f"{options.schedule.value} ...), or drop schedule= to run the plan as it is"
         )

@@ -1,0 +1,86 @@
+"""The project's GPT trained by a Trainer over ranks and by a single process, for tests to compare.
+
+Shared by the strategy, engine and fault tests (a test module does not import
+another: each folder of tests/ is its own import root).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import TensorDataset
+
+from zorse_lightning.models.gpt import GPT
+
+CPU_SIM3 = {
+    "name": "cpu_sim3", "emulated": True,
+    "machines": [{"name": "localhost", "intra_bandwidth_gbps": 10, "gpus": [
+        {"type": "a100x40", "count": 1, "memory_gib": 0.4},
+        {"type": "v100x16", "count": 1, "memory_gib": 0.16},
+        {"type": "t4", "count": 1, "memory_gib": 0.16},
+    ]}],
+}
+"""Three emulated GPU types on one machine: the fault and resume tests' cluster."""
+
+WORLD = 4
+STEPS = 3
+PER_RANK_BATCH = 4
+GLOBAL_BATCH = PER_RANK_BATCH * WORLD
+SEQ, VOCAB = 8, 40
+CLIP = 0.5
+
+
+class Recorder(pl.Callback):
+    """Logged values after each step, as rank 0's loggers and progress bar see them."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.values = name, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(trainer.callback_metrics[self.name]))
+
+
+def tokens(count: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (count, SEQ + 1), generator=generator)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=3e-3)
+
+
+def reference_training(
+    model: pl.LightningModule, dataset: TensorDataset, clip: float | None, steps: int = STEPS
+) -> tuple[dict, list[float]]:
+    optimizer = model.configure_optimizers()
+    losses = []
+    for step in range(steps):
+        inputs, targets = (t.contiguous() for t in dataset[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
+        loss = model.training_step.__func__(Unlogged(model), (inputs, targets), step)
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+class Unlogged:
+    """The module seen by its own training_step outside a Trainer: ``self.log`` does nothing."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return (lambda *a, **k: None) if name == "log" else getattr(self._module, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+
+def compare(model, expected: dict) -> float:
+    held = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
+    return max((held[n].detach() - expected[n]).abs().max().item() for n in held)

@@ -1,0 +1,70 @@
+"""What a module's own step hands to its parts, seen from hooks on one real call.
+
+Profiling needs inputs as a real forward makes them (a block's input is the
+previous block's output, not something a profiler could guess from the batch),
+so they are captured from the user's step and the step is stopped as soon as
+the value is seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zorse_lightning.module.blocks import BlockList, CutError
+
+
+class _Seen(Exception):
+    """Stops the step once the first block has its input: nothing after it is needed."""
+
+
+def first_block_input(first_block: nn.Module, run: Callable[[], Any]) -> torch.Tensor:
+    """The input ``first_block`` receives when ``run()`` (one sample of the user's step) calls it, detached."""
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        captured.append(args[0].detach())
+        raise _Seen
+
+    handle = first_block.register_forward_pre_hook(hook)
+    try:
+        run()
+    except _Seen:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise CutError(
+            f"the training step did not call the block list's first block ({type(first_block).__name__}); "
+            f"name the blocks the step runs with ZorseStrategy(block_path=...)"
+        )
+    return captured[0]
+
+
+def edge_parameter_ids(root: nn.Module, blocks: BlockList, run: Callable[[], Any]) -> tuple[set[int], set[int]]:
+    """Ids of the parameters of modules that run before the first block and after it (head, final norm).
+
+    A parameter in both sets is shared between the two ends (a tied embedding
+    and head), which the planner must synchronise between the first and last stage.
+    """
+    inside = {id(m) for b in blocks.blocks for m in b.modules()}
+    seen_block = [False]
+    before: set[int] = set()
+    after: set[int] = set()
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if id(module) in inside:
+            seen_block[0] = True
+        else:
+            (after if seen_block[0] else before).update(id(p) for p in module.parameters(recurse=False))
+
+    handles = [m.register_forward_pre_hook(hook) for m in root.modules()]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return before, after

@@ -1,0 +1,85 @@
+"""One GPU type's profile, measured at start by the first rank of that type on its own device.
+
+The blocks are timed on a copy (so the run's modules keep no profiling state),
+then what a step spends outside them (embedding, head, loss: :mod:`.step_costs`)
+and the optimizer's rate. On an emulated cluster every measurement goes through
+the rank's emulator on the costs calibrated once for the whole run: every type
+is timed on the same CPU cost, so the profile's ratios between types are exactly
+their speed ratios, and the run's emulation charges what was profiled.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from zorse_lightning.emulation.rank import RankEmulation
+from zorse_lightning.emulation.timing import CallCost
+from zorse_lightning.module.blocks import BlockList
+from zorse_lightning.module.microbatch import samples_in
+from zorse_lightning.profiling.measure import MeasureOptions, MeasuredBlocks, measure_blocks
+from zorse_lightning.startup.step_costs import measure_optimizer_ms_per_million_parameters, measure_step_edges
+
+PROFILE_OPTIONS = MeasureOptions(max_microbatch_size=2, warmup=1, repeats=3)
+"""Short: profiling runs at every start; the planner needs the slope per sample more than precision."""
+
+
+def _block_names(blocks: BlockList) -> list[str]:
+    return [f"{blocks.path}.{name}" for name, _ in blocks.container.named_children()]
+
+
+def measure_type_profile(
+    root: torch.nn.Module,
+    blocks: BlockList,
+    example: torch.Tensor,
+    batch: Any,
+    run_step: Callable[[Any], Any],
+    device: torch.device,
+    gpu_type: str,
+    emulation: RankEmulation | None,
+    costs: Mapping[str, CallCost] | None,
+) -> MeasuredBlocks:
+    """Blocks, step edges and optimizer rate of this rank's GPU type (through ``emulation`` where given).
+
+    ``run_step(microbatch)`` runs the user's training step without gradients;
+    ``example`` is one sample of the first block's input.
+    """
+    measured_blocks = copy.deepcopy(blocks.blocks)
+    emulator = None
+    if emulation is not None:
+        emulator = emulation.instrumented(
+            root, costs, named=list(zip(_block_names(blocks), measured_blocks))
+        )
+    try:
+        measured = measure_blocks(
+            measured_blocks, example, device=device, gpu_type=gpu_type,
+            dtype=str(example.dtype).removeprefix("torch."), options=PROFILE_OPTIONS, cache_dir=None,
+        )
+    finally:
+        if emulator is not None:
+            emulator.remove()
+
+    step_emulator = emulation.instrumented(root, costs) if emulation is not None else None
+
+    def step(micro: Any) -> Any:
+        if step_emulator is not None:
+            step_emulator.batch_samples = samples_in(micro)
+        return run_step(micro)
+
+    try:
+        edges = measure_step_edges(
+            step, blocks, batch, device, max_microbatch_size=PROFILE_OPTIONS.max_microbatch_size,
+            warmup=PROFILE_OPTIONS.warmup, repeats=PROFILE_OPTIONS.repeats,
+        )
+    finally:
+        if step_emulator is not None:
+            step_emulator.remove()
+    times = replace(
+        measured.times, embedding=edges.embedding, head=edges.head,
+        optimizer_ms_per_million_parameters=measure_optimizer_ms_per_million_parameters(device),
+    )
+    return replace(measured, times=times)
