@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.search import PlannerOptions
 from zorse_lightning.strategy.validation import check_predicted_memory
 
 
@@ -37,3 +39,24 @@ def check_plan_against(plan: Plan, inventory: ClusterInventory) -> None:
                     f"has a {actual} there; the plan was made for another cluster: re-plan for this one"
                 )
     check_predicted_memory(plan, inventory)
+
+
+def with_schedule(options: PlannerOptions, schedule: str | None) -> PlannerOptions:
+    """``options`` with ``schedule`` pinned, so the planner prices the schedule that runs."""
+    if schedule is None:
+        return options
+    if options.schedule is not None and options.schedule.value != schedule:
+        raise PlanningError(
+            f"schedule={schedule!r} contradicts planner_options.schedule={options.schedule.value!r}; give one of them"
+        )
+    return replace(options, schedule=schedule)
+
+
+def check_schedule(plan: Plan, options: PlannerOptions) -> None:
+    """A given plan runs as planned: a pinned schedule that differs is an error, never a silent swap."""
+    if options.schedule is not None and options.schedule != plan.schedule:
+        raise PlanningError(
+            f"the given plan was made for schedule {plan.schedule.value!r} but schedule={options.schedule.value!r} "
+            f"was asked for; re-plan with that schedule (python -m zorse_lightning.plan planner.schedule="
+            f"{options.schedule.value} ...), or drop schedule= to run the plan as it is"
+        )

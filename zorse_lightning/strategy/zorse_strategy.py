@@ -16,7 +16,6 @@ emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
@@ -40,21 +39,22 @@ from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
-from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.search import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.startup.detection import detect_cluster
-from zorse_lightning.startup.plan_at_start import StartupInputs, StartupResult, run_startup
+from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
 from zorse_lightning.strategy import checkpoint_io
 from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks, ResumeState
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+from zorse_lightning.strategy.gradient_stash import GradientStash
 from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
-from zorse_lightning.strategy.plan_checks import check_plan_against, resolve_plan
+from zorse_lightning.strategy.plan_checks import check_plan_against, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
 from zorse_lightning.strategy.recovery import start_watchdog
 from zorse_lightning.strategy.sampler import plan_dataloader
+from zorse_lightning.strategy.start import quiet_training_step, rank_emulation, startup_inputs
 from zorse_lightning.strategy.validation import check_detected_devices, check_plan_for_module, local_device_report
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -121,7 +121,7 @@ class ZorseStrategy(CheckpointHooks):
         self._cluster_source = cluster
         self._inventory: ClusterInventory | None = None
         self._plan_source = plan
-        self._planner_options = _with_schedule(planner_options or PlannerOptions(), schedule)
+        self._planner_options = with_schedule(planner_options or PlannerOptions(), schedule)
         RankEmulation.check_slowdown(emulation_slowdown)
         self.emulation_slowdown = emulation_slowdown
         self._precision = precision
@@ -147,7 +147,8 @@ class ZorseStrategy(CheckpointHooks):
         self._clip_patched = False
         self._log_mergers: dict[str, LogMerger] = {}
         """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
-        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._stashed = GradientStash()
+        """The schedule's gradients of the last ``training_step``, put back in ``backward``."""
         self._training_prepared = False
         self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
 
@@ -211,7 +212,7 @@ class ZorseStrategy(CheckpointHooks):
             broadcast_module(self.lightning_module)
             if self._plan_source is not None:
                 plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
-                _check_schedule(plan, self._planner_options)
+                check_schedule(plan, self._planner_options)
                 self._set_plan(plan)
 
     def _set_precision(self) -> None:
@@ -253,34 +254,14 @@ class ZorseStrategy(CheckpointHooks):
     # -- start-up and data -----------------------------------------------------------------
 
     def _rank_emulation(self) -> RankEmulation | None:
-        """This rank's emulation: on CPU ranks of an emulated cluster (or when ``emulate=True``), else None."""
-        inventory = self.inventory
-        emulate = self._emulate if self._emulate is not None else bool(inventory and inventory.emulated)
-        if not emulate or self.root_device.type != "cpu" or inventory is None:
-            return None
-        return RankEmulation(inventory, self.global_rank, self.emulation_slowdown)
+        return rank_emulation(self.inventory, self._emulate, self.root_device, self.global_rank, self.emulation_slowdown)
 
     def _plan_at_start(self, loader: DataLoader) -> Plan:
-        if self.inventory is None:
-            raise PlanningError("ZorseStrategy needs a cluster (cluster='cpu_sim4', a config path or an inventory) or a plan")
-        if loader.batch_size is None:
-            raise PlanningError("the training DataLoader has no batch_size; give one, or pass a plan")
-        inputs = StartupInputs(
-            module=self.lightning_module, inventory=self.inventory, rank=self.global_rank,
-            world_size=self.world_size, device=self.root_device,
-            # On resume the checkpoint's global batch continues (same data order, same trajectory).
-            global_batch_size=self._resume.checkpoint_global_batch_size or loader.batch_size * self.world_size,
-            planner_options=self._planner_options, block_path=self.block_path, emulation=self._rank_emulation(),
-            automatic_optimization=self.lightning_module.automatic_optimization,
+        inputs = startup_inputs(
+            self.lightning_module, self.inventory, loader, self.global_rank, self.world_size, self.root_device,
+            self._resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
         )
-        module = self.lightning_module
-
-        def run_step(micro: Any) -> Any:
-            with capturing_logs(module, LogCapture(1)):
-                return module.training_step(micro, 0)
-
-        batch = self.batch_to_device(next(iter(loader)))
-        self._startup = run_startup(inputs, batch, run_step)
+        self._startup = run_startup(inputs, self.batch_to_device(next(iter(loader))), quiet_training_step(self.lightning_module))
         return self._startup.plan
 
     @override
@@ -340,7 +321,7 @@ class ZorseStrategy(CheckpointHooks):
             return output
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         scale = self.precision_plugin.loss_scale_value / accumulate
-        earlier = self._set_gradients_aside()
+        earlier = GradientStash.take(self.engine.local_parameters())
         # Accumulating over several batches adds the set-aside gradients after the run: no overlap then.
         overlap = accumulate == 1
         with self.precision_plugin.train_step_context():
@@ -348,30 +329,14 @@ class ZorseStrategy(CheckpointHooks):
                 lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
             )
         self._step_done(batch_idx)
-        self._stashed = self._set_gradients_aside()
-        for param, grad in earlier:
-            param.grad = grad
+        self._stashed = GradientStash.take(self.engine.local_parameters())
+        earlier.put_back()
         return loss
 
     def _step_done(self, batch_idx: int) -> None:
         if self._emulation is not None:
             self._emulation.after_step()
         self._resume.samples_done = (batch_idx + 1) * self.plan.global_batch_size
-
-    def _set_gradients_aside(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-        """Lightning zeroes gradients (at an accumulation window's start) between ``training_step`` and
-        ``backward``, so the schedule runs on empty gradients and its own wait aside until ``backward``."""
-        aside = []
-        for param in self.engine.local_parameters():
-            aside.append((param, param.grad))
-            param.grad = None
-        return aside
-
-    def _restore_gradients(self) -> None:
-        for param, grad in self._stashed:
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
-        self._stashed = []
 
     def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
         if not self.engine.prepared:
@@ -409,7 +374,7 @@ class ZorseStrategy(CheckpointHooks):
         if self._manual is not None:
             return self._manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._restore_gradients()
+        self._stashed.put_back()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
@@ -460,23 +425,3 @@ class ZorseStrategy(CheckpointHooks):
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )
 
-
-def _with_schedule(options: PlannerOptions, schedule: str | None) -> PlannerOptions:
-    """``options`` with ``schedule`` pinned, so the planner prices the schedule that runs."""
-    if schedule is None:
-        return options
-    if options.schedule is not None and options.schedule.value != schedule:
-        raise PlanningError(
-            f"schedule={schedule!r} contradicts planner_options.schedule={options.schedule.value!r}; give one of them"
-        )
-    return replace(options, schedule=schedule)
-
-
-def _check_schedule(plan: Plan, options: PlannerOptions) -> None:
-    """A given plan runs as planned: a pinned schedule that differs is an error, never a silent swap."""
-    if options.schedule is not None and options.schedule != plan.schedule:
-        raise PlanningError(
-            f"the given plan was made for schedule {plan.schedule.value!r} but schedule={options.schedule.value!r} "
-            f"was asked for; re-plan with that schedule (python -m zorse_lightning.plan planner.schedule="
-            f"{options.schedule.value} ...), or drop schedule= to run the plan as it is"
-        )

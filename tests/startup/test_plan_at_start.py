@@ -1,0 +1,59 @@
+"""The start-up pass's pure parts, in one process: which microbatch sizes it plans with, and that one
+emulation (with the strategy's slowdown) times the blocks and the step's edges alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.emulation.rank import RankEmulation
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.models.gpt import GPT
+from zorse_lightning.module.blocks import find_block_list
+from zorse_lightning.module.capture import first_block_input
+from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.startup import type_profile
+from zorse_lightning.startup.plan_at_start import within_profiled_sizes
+from zorse_lightning.strategy.start import quiet_training_step
+
+
+def test_sizes_above_the_profiled_ones_are_dropped_with_a_note():
+    options, note = within_profiled_sizes(PlannerOptions(microbatch_sizes=(1, 2, 4, 8)))
+    assert options.microbatch_sizes == (1, 2)
+    assert note is not None and "[4, 8]" in note and "microbatch_size" in note
+
+
+def test_only_sizes_above_the_profiled_ones_is_an_error_not_a_silent_one():
+    with pytest.raises(PlanningError, match=r"microbatch_sizes=\[4, 8\] are all above 2.*pin one with microbatch_size"):
+        within_profiled_sizes(PlannerOptions(microbatch_sizes=(4, 8)))
+
+
+def test_a_pinned_size_is_kept_as_it_is():
+    options = PlannerOptions(microbatch_size=8)
+    assert within_profiled_sizes(options) == (options, None)
+
+
+def test_blocks_and_edges_are_timed_through_the_one_emulation_given(monkeypatch):
+    """The step-edge probe once built its own emulator at the default slowdown (3) whatever the strategy's."""
+    built: list[RankEmulation] = []
+    original = RankEmulation.instrumented
+
+    def recording(self, root, costs=None, named=None):
+        built.append(self)
+        return original(self, root, costs, named)
+
+    monkeypatch.setattr(RankEmulation, "instrumented", recording)
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16, seq_len=4, width=8, layers=2, heads=2)
+    blocks = find_block_list(model)
+    batch = (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
+    step = quiet_training_step(model)
+    example = first_block_input(blocks.blocks[0], lambda: step(batch))
+    emulation = RankEmulation(load_cluster("cpu_sim2"), rank=1, fastest_slowdown=5.0)
+    measured = type_profile.measure_type_profile(
+        model, blocks, example[:1], batch, step, torch.device("cpu"),
+        "v100x16", emulation, costs=None,
+    )
+    assert built == [emulation, emulation]
+    assert measured.times.head.forward.at(1) > 0 and measured.times.optimizer_ms_per_million_parameters > 0

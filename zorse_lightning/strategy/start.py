@@ -1,0 +1,57 @@
+"""What the strategy hands to the start-up pass (:mod:`zorse_lightning.startup.plan_at_start`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.emulation.rank import RankEmulation
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.startup.plan_at_start import StartupInputs
+from zorse_lightning.strategy.log_capture import LogCapture, capturing_logs
+
+
+def rank_emulation(
+    inventory: ClusterInventory | None, emulate: bool | None, device: torch.device, rank: int, slowdown: float
+) -> RankEmulation | None:
+    """This rank's emulation: on CPU ranks of an emulated cluster (or when ``emulate=True``), else None."""
+    wanted = emulate if emulate is not None else bool(inventory and inventory.emulated)
+    if not wanted or device.type != "cpu" or inventory is None:
+        return None
+    return RankEmulation(inventory, rank, slowdown)
+
+
+def quiet_training_step(module: Any):
+    """``run_step(microbatch)``: the module's own training step, its ``self.log`` calls discarded."""
+
+    def run_step(micro: Any) -> Any:
+        with capturing_logs(module, LogCapture(1)):
+            return module.training_step(micro, 0)
+
+    return run_step
+
+
+def startup_inputs(
+    module: Any, inventory: ClusterInventory | None, loader: DataLoader, rank: int, world_size: int,
+    device: torch.device, resumed_global_batch_size: int | None, options: PlannerOptions, block_path: str | None,
+    emulation: RankEmulation | None,
+) -> StartupInputs:
+    """The pass's inputs, checked: a cluster to plan on and a loader with a batch size.
+
+    On resume the checkpoint's global batch continues (same data order, same
+    trajectory), whatever the loader's batch size times this cluster's ranks.
+    """
+    if inventory is None:
+        raise PlanningError("ZorseStrategy needs a cluster (cluster='cpu_sim4', a config path or an inventory) or a plan")
+    if loader.batch_size is None:
+        raise PlanningError("the training DataLoader has no batch_size; give one, or pass a plan")
+    return StartupInputs(
+        module=module, inventory=inventory, rank=rank, world_size=world_size, device=device,
+        global_batch_size=resumed_global_batch_size or loader.batch_size * world_size,
+        planner_options=options, block_path=block_path, emulation=emulation,
+        automatic_optimization=module.automatic_optimization,
+    )
