@@ -41,6 +41,8 @@ def profile_from_config(model_cfg: Any, inventory: ClusterInventory, data_cfg: A
 def _measured_here(model_cfg: Any, data_cfg: Any, inventory: ClusterInventory) -> ModelProfile:
 
     from zorse_lightning.module.blocks import find_block_list
+    from zorse_lightning.module.capture import first_block_input
+    from zorse_lightning.module.microbatch import microbatch_slice
     from zorse_lightning.emulation.emulator import emulation_spec_for_rank
     from zorse_lightning.profiling.estimate import estimated_block_times
     from zorse_lightning.profiling.measure import MeasureOptions, assemble_profile, measure_blocks
@@ -51,7 +53,8 @@ def _measured_here(model_cfg: Any, data_cfg: Any, inventory: ClusterInventory) -
     data = instantiate(data_cfg)
     data.setup("fit")
     blocks = find_block_list(module)
-    example = _first_block_input(module, blocks.blocks[0], next(iter(data.train_dataloader())))
+    batch = next(iter(data.train_dataloader()))
+    example = first_block_input(blocks.blocks[0], lambda: module.training_step(microbatch_slice(batch, 0, 1), 0))
     measured = measure_blocks(blocks.blocks, example, gpu_type="cpu", options=MeasureOptions(max_microbatch_size=2), cache_dir=None)
     cpu = measured.times
     devices: dict[str, DeviceTimes] = {}
@@ -75,28 +78,3 @@ def _measured_here(model_cfg: Any, data_cfg: Any, inventory: ClusterInventory) -
         layers=profile.layers, head=profile.head, devices=devices, tied_embedding_head=profile.tied_embedding_head,
     )
 
-
-def _first_block_input(module: Any, first_block: Any, batch: Any) -> Any:
-    """The first block's input for one sample, from one run of the module's own training step."""
-    import torch
-
-    class _Seen(Exception):
-        pass
-
-    captured = []
-
-    def hook(_module: Any, args: tuple) -> None:
-        captured.append(args[0].detach())
-        raise _Seen
-
-    one_sample = torch.utils._pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, batch)
-    handle = first_block.register_forward_pre_hook(hook)
-    try:
-        module.training_step(one_sample, 0)
-    except _Seen:
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise ZorseUserError("the module's training_step did not run its block list; the planner cannot profile it")
-    return captured[0]

@@ -16,6 +16,7 @@ emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -199,6 +201,7 @@ class ZorseStrategy(CheckpointHooks):
         if self._cluster_source is None and self._inventory is None and self._plan_source is None:
             self._inventory = detect_cluster(self.root_device, self.world_size)
         self.accelerator.setup(trainer)
+        _quiet_merged_metric_advice()
         self._set_precision()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -425,3 +428,11 @@ class ZorseStrategy(CheckpointHooks):
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )
 
+
+def _quiet_merged_metric_advice() -> None:
+    """Lightning advises ``sync_dist=True`` for epoch-level metrics of distributed runs. Under this strategy
+    every logged value reaches Lightning already merged over the ranks (:mod:`.log_capture`), so the advice
+    is wrong here, and following it would reduce the merged values a second time."""
+    warnings.filterwarnings(
+        "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`", category=PossibleUserWarning
+    )
