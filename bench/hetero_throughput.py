@@ -60,7 +60,7 @@ from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from testing.launch import free_port
 
 CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")

@@ -102,7 +102,8 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from zorse_lightning.planner.evaluate import CostContext, plan_cost
-    from zorse_lightning.planner.search import PlannerOptions, make_plan
+    from zorse_lightning.planner.options import PlannerOptions
+    from zorse_lightning.planner.search import make_plan
     from testing.netns import uplink_sent_bytes
     from testing.timing import StepTimer
 

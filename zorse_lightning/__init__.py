@@ -13,7 +13,7 @@ initialisation, no file or network access.
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.engine.faults import FaultPolicy
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
 from zorse_lightning.strategy.registration import register_with_lightning

@@ -13,8 +13,9 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.grouping import stage_orders
 from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.problem import WindowCosts, block_extras
-from zorse_lightning.planner.search import PlannerOptions, _heuristic_plan, _layouts, _lower_bound_ms
+from zorse_lightning.planner.search import _heuristic_plan, _layouts, _lower_bound_ms
 
 from test_planner_fixtures import synthetic_profile
 

@@ -12,7 +12,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.module.blocks import find_block_list
 from zorse_lightning.module.capture import first_block_input
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
 from zorse_lightning.startup.plan_at_start import within_profiled_sizes
 from zorse_lightning.strategy.start import quiet_training_step

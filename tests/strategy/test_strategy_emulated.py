@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from testing.launch import spawn_ranks
 
 pytestmark = pytest.mark.multiprocess

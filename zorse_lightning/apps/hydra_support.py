@@ -5,7 +5,8 @@
 - a warning when a user's ``--config-dir`` holds a file that a shipped config shadows
   (Hydra searches the user's directory *after* the shipped one and would silently
   ignore it);
-- user errors printed as one message with a non-zero exit, no traceback.
+- user errors printed as one message with a non-zero exit, no traceback; a command line
+  or config file that Hydra refuses while composing exits with the same code.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ def register_schemas() -> None:
     """Put the structured-config schemas into Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
+    from zorse_lightning.apps.planner_options import register_planner_schema
     from zorse_lightning.cluster.config import register_cluster_schema
 
     register_cluster_schema(ConfigStore.instance())
+    register_planner_schema(ConfigStore.instance())
 
 
 def shadowed_user_configs(choices: dict[str, Any], config_sources: list[Any], shipped: Path = CONF_DIR) -> list[str]:
@@ -75,3 +78,36 @@ def report_user_errors(task: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(USER_ERROR_EXIT_CODE)
 
     return wrapper
+
+
+def run_app(task: Callable[[Any], Any], config_name: str) -> None:
+    """Run ``task`` as the Hydra app of the shipped config ``config_name``, schemas registered.
+
+    Hydra prints its reason and exits with 1 when it refuses the command line or a config
+    file while composing (a misspelt option, a value of the wrong type, a missing file):
+    that is the user's to fix, so, before the task has started, it exits with
+    :data:`USER_ERROR_EXIT_CODE` like the task's own user errors. Once the task has
+    started, Hydra's 1 means a bug and is kept.
+    """
+    import hydra
+
+    register_schemas()
+    started = False
+
+    @functools.wraps(task)
+    def marked(cfg: Any) -> Any:
+        nonlocal started
+        started = True
+        return task(cfg)
+
+    try:
+        hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(marked)()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not started:
+            print(
+                "error: Hydra refused the command line or a config file (reason above); fix the option or "
+                "value it names (`--cfg job` prints the composed config, every option with its value)",
+                file=sys.stderr,
+            )
+            sys.exit(USER_ERROR_EXIT_CODE)
+        raise

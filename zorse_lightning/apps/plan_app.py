@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from zorse_lightning.apps.hydra_support import CONF_DIR, register_schemas, report_user_errors
+from zorse_lightning.apps.hydra_support import report_user_errors, run_app
 from zorse_lightning.apps.model_source import profile_from_config
 from zorse_lightning.apps.planner_options import planner_options_from_config
 from zorse_lightning.cluster.config import inventory_from_config
@@ -40,5 +39,4 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_schemas()
-    hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")(_run)()
+    run_app(_run, "plan")

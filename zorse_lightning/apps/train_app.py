@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -16,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from zorse_lightning.apps.hydra_support import CONF_DIR, register_schemas, report_user_errors
+from zorse_lightning.apps.hydra_support import report_user_errors, run_app
 from zorse_lightning.apps.planner_options import planner_options_from_config
 from zorse_lightning.apps.throughput import SamplesPerSecond
 from zorse_lightning.cluster.config import inventory_from_config
@@ -104,5 +103,4 @@ def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:
 
 
 def main() -> None:
-    register_schemas()
-    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+    run_app(_run, "train")

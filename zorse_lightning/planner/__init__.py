@@ -13,8 +13,9 @@ from zorse_lightning.planner.baselines import (
     proportional_heuristic,
 )
 from zorse_lightning.planner.evaluate import CostContext, PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, Prediction, SolverRecord, StagePlan
-from zorse_lightning.planner.search import PlannerOptions, make_plan
+from zorse_lightning.planner.search import make_plan
 from zorse_lightning.planner.simulate import EventKind, Timeline, TimelineEvent, simulate
 
 __all__ = [

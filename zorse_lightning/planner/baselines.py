@@ -27,7 +27,8 @@ from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_pl
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.problem import layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
-from zorse_lightning.planner.search import PlannerOptions, make_plan
+from zorse_lightning.planner.options import PlannerOptions
+from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling.profile import ModelProfile
 
 def _best(plans) -> Plan | None:

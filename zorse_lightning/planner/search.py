@@ -25,9 +25,9 @@ smaller (see :mod:`.compute`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTS_IDLE_RANKS, Schedule, Sharding
+from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
@@ -46,6 +46,7 @@ from zorse_lightning.planner.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import balanced_plan, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
+from zorse_lightning.planner.options import PlannerOptions  # re-exported: startup/ and strategy/ import it from here
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
     Candidate,
@@ -57,57 +58,6 @@ from zorse_lightning.planner.problem import (
     to_plan,
 )
 from zorse_lightning.profiling.profile import ModelProfile
-
-
-@dataclass(frozen=True)
-class PlannerOptions:
-    """Knobs of the search, and pins: parts of the plan the user fixes (None: planner chooses)."""
-
-    solver_time_limit_s: float = 1.0
-    """Per integer program; a solution found within the limit is kept and marked as such."""
-    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    """Candidates; those that do not divide the global batch are skipped."""
-    allow_pipeline: bool = True
-    """False: data parallel only (one stage), for modules that cannot be cut."""
-    no_pipeline_reason: str = "the module cannot be cut into pipeline stages"
-    """Why pipelining is off; recorded in the plan's notes."""
-    memory_reserve_gib: float | None = None
-    """Per-GPU framework reserve; None: 0.5 GiB, scaled down on emulated clusters."""
-    allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
-    """Let plans leave the slowest GPU types idle when they would slow the rest down.
-    Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); False: every rank works."""
-    max_stages: int = 16
-    max_programs: int = 8
-    """Integer programs to solve, most promising candidates (by their heuristic split) first."""
-    stage_layout: tuple[tuple[int, ...], ...] | None = None
-    """Pinned stages in pipeline order, each a list of global ranks."""
-    layer_counts: tuple[int, ...] | None = None
-    """Pinned layers per stage (pipeline order), summing to the model's layers."""
-    microbatch_size: int | None = None
-    schedule: Schedule | None = None
-
-    def __post_init__(self) -> None:
-        if self.stage_layout is not None:
-            object.__setattr__(self, "stage_layout", tuple(tuple(int(r) for r in s) for s in self.stage_layout))
-        if self.layer_counts is not None:
-            object.__setattr__(self, "layer_counts", tuple(int(c) for c in self.layer_counts))
-        object.__setattr__(self, "microbatch_sizes", tuple(self.microbatch_sizes))
-        if self.schedule is not None:
-            if self.schedule not in [s.value for s in SUPPORTED_SCHEDULES]:
-                raise PlanningError(
-                    f"schedule={self.schedule!r} is not a schedule the engine runs; "
-                    f"use one of {[s.value for s in SUPPORTED_SCHEDULES]} or leave it to the planner"
-                )
-            object.__setattr__(self, "schedule", Schedule(self.schedule))
-        if not self.solver_time_limit_s > 0:
-            raise PlanningError(f"solver_time_limit_s={self.solver_time_limit_s} must be positive (seconds per solve)")
-        if self.max_stages < 1:
-            raise PlanningError(f"max_stages={self.max_stages} must be at least 1")
-        sizes = self.microbatch_sizes + ((self.microbatch_size,) if self.microbatch_size is not None else ())
-        if not sizes or any(m < 1 for m in sizes):
-            raise PlanningError(f"microbatch sizes {list(sizes)} must be positive integers; give at least one")
-        if self.layer_counts is not None and any(c < 1 for c in self.layer_counts):
-            raise PlanningError(f"layer_counts {list(self.layer_counts)}: every stage needs at least one layer")
 
 
 def make_plan(
@@ -341,4 +291,4 @@ def _unsharded(stage: StagePlan) -> StagePlan:
     return replace(stage, sharding=Sharding.NONE, shard_fractions=())
 
 
-__all__ = ["PlannerOptions", "make_plan"]
+__all__ = ["make_plan"]
