@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -13,6 +14,13 @@ class SamplesPerSecond(pl.Callback):
 
     def __init__(self) -> None:
         self._started: float | None = None
+        self.rates: list[float] = []
+        """Samples per second of each training step so far."""
+
+    def median_after(self, warmup_steps: int) -> float | None:
+        """The median rate of the steps after the first ``warmup_steps`` (None before any)."""
+        rates = self.rates[warmup_steps:] or self.rates
+        return statistics.median(rates) if rates else None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._started = time.perf_counter()
@@ -22,4 +30,5 @@ class SamplesPerSecond(pl.Callback):
             return
         plan = getattr(trainer.strategy, "plan", None)
         samples = plan.global_batch_size if plan is not None else len(batch[0]) * trainer.world_size
-        pl_module.log("samples_per_s", samples / (time.perf_counter() - self._started), prog_bar=True, rank_zero_only=True)
+        self.rates.append(samples / (time.perf_counter() - self._started))
+        pl_module.log("samples_per_s", self.rates[-1], prog_bar=True, rank_zero_only=True)

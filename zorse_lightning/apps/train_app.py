@@ -25,6 +25,9 @@ from zorse_lightning.reporting.plan_table import plan_table
 from zorse_lightning.reporting.timeline import draw_plan_timeline
 
 
+MEASURE_AFTER_STEPS = 5
+"""Steps left out of the measured rate: the first ones cut the model and calibrate the emulation."""
+
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -64,18 +67,20 @@ def _run(cfg: DictConfig) -> None:
     strategy = ZorseStrategy(
         cluster=inventory, plan=cfg.plan, planner_options=options, block_path=cfg.block_path, seed=cfg.seed
     )
+    throughput = SamplesPerSecond()
     trainer = pl.Trainer(
         strategy=strategy,
         devices=_local_devices(inventory),
         num_nodes=1,
         default_root_dir=str(output_dir),
         logger=[CSVLogger(output_dir, name="metrics"), TensorBoardLogger(output_dir, name="tensorboard")],
-        callbacks=[ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True), SamplesPerSecond()],
+        callbacks=[ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True), throughput],
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
     trainer.fit(model, datamodule=data, ckpt_path=cfg.checkpoint)
     if trainer.is_global_zero:
         _write_plan_outputs(strategy, output_dir)
+        print(_throughput_line(strategy, throughput))
 
 
 def _local_devices(inventory) -> int:
@@ -85,6 +90,23 @@ def _local_devices(inventory) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     return inventory.world_size if inventory.emulated else len(inventory.machines[0].gpu_types)
+
+
+def _throughput_line(strategy: ZorseStrategy, throughput: SamplesPerSecond) -> str:
+    """Predicted beside measured samples/s, saying what each counts, so a gap reads for what it is."""
+    measured = throughput.median_after(MEASURE_AFTER_STEPS)
+    predicted = strategy.plan.predicted
+    parts = []
+    if predicted is not None:
+        parts.append(f"predicted {predicted.samples_per_s:.1f} samples/s (the cost model: the schedule's compute, "
+                     f"transfers, synchronisation and optimizer step, from the start-up profile)")
+    if measured is not None:
+        parts.append(f"measured {measured:.1f} (median training step after {MEASURE_AFTER_STEPS}, wall clock: "
+                     f"also Lightning's loop, logging and clipping, which the prediction leaves out)")
+    if strategy.emulation is not None:
+        parts.append("both in emulated GPU time: the ranks compute at their GPU type's speed, "
+                     f"the fastest {strategy.emulation_slowdown:g}x slower than this CPU")
+    return "throughput: " + "; ".join(parts)
 
 
 def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:

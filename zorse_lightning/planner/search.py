@@ -46,7 +46,7 @@ from zorse_lightning.planner.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import balanced_plan, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
-from zorse_lightning.planner.options import PlannerOptions  # re-exported: startup/ and strategy/ import it from here
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
     Candidate,

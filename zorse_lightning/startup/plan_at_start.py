@@ -37,7 +37,7 @@ from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
 from zorse_lightning.module.capture import edge_parameter_ids, first_block_input
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.baselines import unprofiled_data_parallel
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling.measure import assemble_profile

@@ -8,7 +8,7 @@ from pathlib import Path
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.strategy.validation import check_predicted_memory
 
 

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup.plan_at_start import StartupInputs
 from zorse_lightning.strategy.log_capture import LogCapture, capturing_logs
 

@@ -41,7 +41,7 @@ from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
-from zorse_lightning.planner.search import PlannerOptions
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.startup.detection import detect_cluster
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
