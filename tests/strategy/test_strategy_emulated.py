@@ -54,20 +54,27 @@ def tokens(count: int) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _fit(model: pl.LightningModule, strategy: ZorseStrategy, tmp: Path) -> Recorder:
+def _fit(model: pl.LightningModule, strategy: ZorseStrategy, tmp: Path, validate: bool) -> Recorder:
+    """With ``validate``, Lightning's sanity check runs a validation loader of another batch size first,
+    in inference mode: the plan must still come from the training loader, with backward timed."""
     recorder = Recorder("train_loss")
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[recorder], default_root_dir=tmp,
+        callbacks=[recorder], default_root_dir=tmp, num_sanity_val_steps=1 if validate else 0,
+        limit_val_batches=1, val_check_interval=STEPS,
     )
-    trainer.fit(model, train_dataloaders=DataLoader(tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH))
+    val = DataLoader(tokens(GLOBAL_BATCH), batch_size=PER_RANK_BATCH // 2) if validate else None
+    trainer.fit(
+        model, train_dataloaders=DataLoader(tokens(GLOBAL_BATCH * STEPS), batch_size=PER_RANK_BATCH),
+        val_dataloaders=val,
+    )
     return recorder
 
 
-def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
+def _case(strategy: ZorseStrategy, tmp: Path, validate: bool = False) -> dict:
     model = gpt()
-    recorder = _fit(model, strategy, tmp)
+    recorder = _fit(model, strategy, tmp, validate)
     expected, losses = reference_training(gpt(), tokens(GLOBAL_BATCH * STEPS), None)
     emulator = strategy.emulation.emulator
     return {
@@ -82,6 +89,10 @@ def _case(strategy: ZorseStrategy, tmp: Path) -> dict:
         "slowdown": emulator.spec.slowdown,
         "calls": emulator.calls,
         "overruns": emulator.overruns,
+        "global_batch": strategy.plan.global_batch_size,
+        "profiled_backward_ms": None if strategy.startup is None or strategy.startup.profile is None else min(
+            layer.backward.at(1) for times in strategy.startup.profile.devices.values() for layer in times.layers
+        ),
     }
 
 
@@ -90,7 +101,7 @@ def _worker(rank: int, tmp: Path) -> dict:
     planned = ZorseStrategy(cluster=inventory, emulate=True, planner_options=PlannerOptions(solver_time_limit_s=5))
     pipelined_plan = hand_plan([((0,), (MICROBATCHES,), (0, 3)), ((1,), (MICROBATCHES,), (3, 4))], 2, inventory=inventory)
     pipelined = ZorseStrategy(cluster=inventory, plan=pipelined_plan, emulate=True, emulation_slowdown=4.0)
-    return {"planned": _case(planned, tmp), "pipelined": _case(pipelined, tmp)}
+    return {"planned": _case(planned, tmp, validate=True), "pipelined": _case(pipelined, tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +126,10 @@ def test_planned_on_emulated_ranks_gives_the_faster_rank_more_and_matches_single
         stages = planned["stages"]
         assert planned["calls"] > 0 or _work(stages, rank) == 0  # emulated while it trained (unless left idle)
         assert "precision 32-true: CPU ranks (emulated GPUs model speed, not numerics)" in planned["notes"]
+        assert planned["global_batch"] == GLOBAL_BATCH  # the training loader's, not the validation one's
+    # Profiled with gradients on, though the sanity check's validation came first (in inference mode):
+    # a block's backward costs about twice its forward, never nothing.
+    assert results[0]["planned"]["profiled_backward_ms"] > 0.5
     # cpu_sim2: A100 (312 TFLOPS) at slowdown 3, V100 (125) at 3 x 312 / 125.
     assert [r["planned"]["gpu_type"] for r in results] == ["a100x40", "v100x16"]
     assert [r["planned"]["slowdown"] for r in results] == pytest.approx([3.0, 3.0 * 312 / 125])

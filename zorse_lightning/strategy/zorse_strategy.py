@@ -260,11 +260,22 @@ class ZorseStrategy(CheckpointHooks):
         return rank_emulation(self.inventory, self._emulate, self.root_device, self.global_rank, self.emulation_slowdown)
 
     def _plan_at_start(self, loader: DataLoader) -> Plan:
+        """Start-up on the training loader (its batch size makes the global batch), with gradients on.
+
+        Lightning's sanity check processes the validation loader first, inside
+        ``torch.inference_mode``: planning there once took the validation batch size
+        for the global batch and timed every block's backward as nothing.
+        """
+        trainer = self.lightning_module.trainer
+        if trainer.sanity_checking:
+            loader = _training_loader(trainer, loader)
         inputs = startup_inputs(
             self.lightning_module, self.inventory, loader, self.global_rank, self.world_size, self.root_device,
             self._resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
         )
-        self._startup = run_startup(inputs, self.batch_to_device(next(iter(loader))), quiet_training_step(self.lightning_module))
+        with torch.inference_mode(False), torch.enable_grad():
+            batch = self.batch_to_device(next(iter(loader)))
+            self._startup = run_startup(inputs, batch, quiet_training_step(self.lightning_module))
         return self._startup.plan
 
     @override
@@ -436,3 +447,9 @@ def _quiet_merged_metric_advice() -> None:
     warnings.filterwarnings(
         "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`", category=PossibleUserWarning
     )
+
+
+def _training_loader(trainer: Any, fallback: DataLoader) -> DataLoader:
+    """The loader ``fit`` will train on, made now (Lightning makes it again after the sanity check)."""
+    train = trainer.fit_loop._data_source.dataloader()
+    return train if isinstance(train, DataLoader) else fallback
