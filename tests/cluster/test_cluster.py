@@ -10,7 +10,7 @@ import pytest
 from zorse_lightning.apps.hydra_support import CONF_DIR
 from zorse_lightning.cluster import DEFAULT_CATALOG, LinkKind
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.cluster.detect import DeviceReport, MachineReport, inventory_from_reports, match_device
+from zorse_lightning.cluster.detection import DeviceReport, MachineReport, inventory_from_reports, match_device
 from zorse_lightning.errors import InventoryError
 
 SHIPPED = sorted(p.stem for p in (CONF_DIR / "cluster").glob("*.yaml"))
@@ -221,7 +221,7 @@ def test_cluster_planner_and_profile_modules_do_not_import_torch():
         "stub = types.ModuleType('zorse_lightning')\n"
         f"stub.__path__ = [{str(Path(zorse_lightning.__file__).parent)!r}]\n"
         "sys.modules['zorse_lightning'] = stub\n"
-        "import zorse_lightning.cluster.config, zorse_lightning.cluster.detect, zorse_lightning.cluster.report\n"
+        "import zorse_lightning.cluster.config, zorse_lightning.cluster.detection, zorse_lightning.cluster.report\n"
         "import zorse_lightning.planner.search, zorse_lightning.planner.baselines, zorse_lightning.planner.simulate\n"
         "import zorse_lightning.profiling.reference, zorse_lightning.profiling.estimate\n"
         "print('torch' in sys.modules, 'lightning' in sys.modules)\n"

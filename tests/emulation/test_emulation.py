@@ -163,6 +163,22 @@ def test_nested_modules_are_refused_and_the_cover_has_no_nesting() -> None:
         ComputeEmulator(EmulationSpec("t4", 3.0, 1 << 30)).instrument([model.body, model.body.blocks[0]])
 
 
+def test_blocks_are_those_the_cut_finds_and_an_encoder_decoder_is_emulated_whole() -> None:
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.encoder = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.decoder = nn.ModuleList(nn.LayerNorm(16) for _ in range(2))
+            self.head = nn.Linear(16, 50)
+
+    model = EncoderDecoder()
+    # Two equally long lists of different classes: the cut refuses the model, so no part is a block.
+    assert emulated_modules(model) == [model.embed, model.encoder, model.decoder, model.head]
+    model.decoder.append(nn.LayerNorm(16))
+    assert emulated_modules(model) == [model.embed, model.encoder, *model.decoder, model.head]
+
+
 # -- memory --------------------------------------------------------------------------------
 
 

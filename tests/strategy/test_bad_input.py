@@ -12,10 +12,10 @@ import pytest
 from testing.plans import hand_plan
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.cluster.detect import DeviceReport
+from zorse_lightning.cluster.detection import DeviceReport, check_detected_devices
 from zorse_lightning.errors import InventoryError, PlanningError
 from zorse_lightning.strategy.plan_checks import check_plan_against, resolve_plan
-from zorse_lightning.strategy.validation import check_detected_devices, check_plan_for_module
+from zorse_lightning.strategy.validation import check_plan_for_module
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.plan import Plan, Prediction
 

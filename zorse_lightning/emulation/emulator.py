@@ -41,6 +41,7 @@ from zorse_lightning.emulation.timing import (
     wrap_for_backward,
 )
 from zorse_lightning.errors import InventoryError, ZorseUserError
+from zorse_lightning.module.blocks import find_block_list_or_none
 from zorse_lightning.units import gib_to_bytes
 
 __all__ = [
@@ -116,13 +117,16 @@ def named_emulated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that cover the compute of ``root`` without nesting, with their names in ``root``: the blocks,
     and the other parts whole.
 
-    The block list is the longest ``ModuleList``/``Sequential`` of at least two
-    modules of one class; each block is emulated alone, so a pipeline stage pays
-    for its own blocks. Every other child that holds parameters (embeddings,
-    head, final norm) is emulated as one piece; parameterless children
-    (activations, dropout, metrics) cost little and are left alone.
+    The block list is the one :func:`~zorse_lightning.module.blocks.find_block_list`
+    finds (with no ``block_path``), so the emulator and the cut agree on what a
+    block is; each block is emulated alone, so a pipeline stage pays for its own
+    blocks. Every other child that holds parameters (embeddings, head, final
+    norm) is emulated as one piece; parameterless children (activations, dropout,
+    metrics) cost little and are left alone. Without a block list to cut (none,
+    or an encoder-decoder's two), each such child is emulated whole.
     """
-    blocks = _block_list(root)
+    found = find_block_list_or_none(root)
+    blocks = found.container if found is not None else None
     covered: list[tuple[str, nn.Module]] = []
 
     def cover(module: nn.Module, prefix: str) -> None:
@@ -136,17 +140,6 @@ def named_emulated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
     cover(root, "")
     return covered
-
-
-def _block_list(root: nn.Module) -> nn.Module | None:
-    candidates = [
-        m
-        for m in root.modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential))
-        and len(m) >= 2
-        and len({type(child) for child in m.children()}) == 1
-    ]
-    return max(candidates, key=len, default=None)
 
 
 @dataclass

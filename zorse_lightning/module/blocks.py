@@ -83,3 +83,16 @@ def find_block_list(root: nn.Module, path: str | None = None) -> BlockList:
             f"parallel. If one list is the whole chain, pass its path as block_path"
         )
     return top[0]
+
+
+def find_block_list_or_none(root: nn.Module) -> BlockList | None:
+    """The block list :func:`find_block_list` finds in ``root``, or None where that raises :class:`CutError`.
+
+    For callers that carry on without a chain (the emulator then emulates each
+    part of the model whole) rather than refuse the model, so that they and the
+    cut agree on which list the blocks are.
+    """
+    try:
+        return find_block_list(root)
+    except CutError:
+        return None

@@ -211,15 +211,14 @@ def _from_json(d: dict[str, Any]) -> MeasuredBlocks:
 
 
 def _default_gpu_type(device: torch.device) -> str:
-    import torch
-
     from zorse_lightning.cluster.catalog import DEFAULT_CATALOG
+    from zorse_lightning.cluster.detection import local_device_report
 
-    if device.type != "cuda":
+    report = local_device_report(device)
+    if report is None:
         return device.type
-    name = torch.cuda.get_device_name(device)
-    found = DEFAULT_CATALOG.find(name)
-    return found.name if found is not None else name
+    found = DEFAULT_CATALOG.find(report.name)
+    return found.name if found is not None else report.name
 
 
 def measure_blocks(

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
 from typing_extensions import override
 
-from zorse_lightning.cluster.detect import DeviceReport, match_device
+from zorse_lightning.cluster.detection import local_device_report, match_device
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
@@ -121,9 +121,9 @@ class ZorseCUDAAccelerator(CUDAAccelerator, ZorseAccelerator):
     @override
     def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
         device = torch.device("cuda", local_rank)
-        props = torch.cuda.get_device_properties(device)
-        gpu_type = match_device(DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory)))
-        return RankDevice(global_rank, device, gpu_type=gpu_type, emulation=None)
+        report = local_device_report(device)
+        assert report is not None  # a CUDA device always reports
+        return RankDevice(global_rank, device, gpu_type=match_device(report), emulation=None)
 
 
 def resolve_accelerator(

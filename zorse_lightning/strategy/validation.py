@@ -1,24 +1,21 @@
 """Checks of what the user gave against what is really there, before any step runs.
 
-A plan is checked against the cluster by :func:`planning.check_plan_against`
+A plan is checked against the cluster by :func:`plan_checks.check_plan_against`
 (ranks, GPU types, predicted memory); here against the module (a plan made for
-another model, a stage whose training state cannot fit its GPUs) and the
-inventory against the devices the ranks detect. Each error says what is wrong
-and what to do; nothing here needs a process group.
+another model, a stage whose training state cannot fit its GPUs). The inventory
+is checked against the devices the ranks detect by the cluster layer
+(:func:`zorse_lightning.cluster.detection.check_detected_devices`). Each error
+says what is wrong and what to do; nothing here needs a process group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import nn
 
 from zorse_lightning.capabilities import Sharding
-from zorse_lightning.cluster.detect import DeviceReport, match_device
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.module.blocks import CutError, find_block_list
-from zorse_lightning.errors import InventoryError, PlanningError
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.memory import stage_state_bytes
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.units import bytes_to_gib
@@ -76,29 +73,3 @@ def check_predicted_memory(plan: Plan, inventory: ClusterInventory) -> None:
                 f"the plan predicts {need_gib:.2f} GiB on rank {rank}, but that {gpus[rank].gpu_type.name} "
                 f"has {have_gib:.2f} GiB; re-plan for this cluster (the plan was made for other memory budgets)"
             )
-
-
-def local_device_report(device: torch.device) -> DeviceReport | None:
-    """This rank's CUDA device as detection reports it (None on CPU ranks, which emulate their type)."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device)
-    return DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory))
-
-
-def check_detected_devices(inventory: ClusterInventory, reports: Sequence[DeviceReport | None]) -> None:
-    """Each rank's detected GPU must be of the type the inventory lists at that rank (all mismatches named)."""
-    wrong = []
-    for rank, report in enumerate(reports):
-        if report is None:
-            continue
-        detected = match_device(report).name
-        listed = inventory.gpus[rank]
-        if detected != listed.gpu_type.name:
-            wrong.append(f"rank {rank} (machine {listed.machine!r}, GPU {listed.local_index}) is listed as "
-                         f"{listed.gpu_type.name} but is a {report.name!r} ({detected})")
-    if wrong:
-        raise InventoryError(
-            f"cluster {inventory.name!r} disagrees with the detected devices: {'; '.join(wrong)}. Fix the cluster "
-            f"config (types in rank order, per machine), or omit cluster=... to use the detected devices"
-        )

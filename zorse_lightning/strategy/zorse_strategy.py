@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.cluster.detection import check_detected_devices, local_device_report
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
@@ -57,7 +58,7 @@ from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precisio
 from zorse_lightning.strategy.recovery import start_watchdog
 from zorse_lightning.strategy.sampler import plan_dataloader
 from zorse_lightning.strategy.start import quiet_training_step, rank_emulation, startup_inputs
-from zorse_lightning.strategy.validation import check_detected_devices, check_plan_for_module, local_device_report
+from zorse_lightning.strategy.validation import check_plan_for_module
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory

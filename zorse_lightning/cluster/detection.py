@@ -1,24 +1,31 @@
-"""Recognising the local GPUs, and assembling one inventory from what each machine reports.
+"""Recognising the local GPUs, and assembling one inventory from what the ranks report.
 
-Each machine reports its own devices (:func:`local_machine_report`); a launcher
-or the engine gathers the reports (one per machine, any number of GPUs each) and
-:func:`inventory_from_reports` turns them into one inventory. Only
-:func:`local_machine_report` touches torch, and only when called.
+:func:`local_device_report` is the one place a device is described (every
+layer that needs a device's name or memory asks it); each rank reports its own
+device with its hostname, a launcher or the start-up gathers the reports in rank
+order, :func:`machine_reports` groups them into machines (any number of GPUs
+each) and :func:`inventory_from_reports` turns them into one inventory.
+:func:`check_detected_devices` compares the reports with an inventory the user
+gave. Only :func:`local_device_report` touches torch, and only when called, so
+the cluster layer stays importable without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zorse_lightning.cluster.catalog import DEFAULT_CATALOG, GpuCatalog
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory, Machine
 from zorse_lightning.errors import InventoryError
 from zorse_lightning.units import BYTES_PER_GIB
+
+if TYPE_CHECKING:
+    import torch
 
 MEMORY_MISMATCH_TOLERANCE = 0.15
 """Reported memory may differ from the datasheet (reserved memory, ECC); beyond this we trust the device."""
@@ -40,16 +47,39 @@ class MachineReport:
     devices: tuple[DeviceReport, ...]
 
 
-def local_machine_report() -> MachineReport:
-    """The CUDA devices of this machine (an empty tuple without CUDA)."""
+def local_device_report(device: torch.device) -> DeviceReport | None:
+    """A device of this machine as detection sees it; None for a non-CUDA device.
+
+    None rather than a description because a CPU rank has no GPU type to
+    detect: it emulates the type its inventory lists, and callers skip it.
+    """
+    if device.type != "cuda":
+        return None
     import torch
 
-    devices: list[DeviceReport] = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            devices.append(DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory)))
-    return MachineReport(hostname=socket.gethostname(), devices=tuple(devices))
+    props = torch.cuda.get_device_properties(device)
+    return DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory))
+
+
+def machine_reports(per_rank: Sequence[tuple[str, DeviceReport]]) -> list[MachineReport]:
+    """Group per-rank reports (hostname, device; in global rank order) into machines.
+
+    The inventory numbers ranks machine by machine, so a machine's ranks must be
+    contiguous (as torchrun and srun number them); otherwise rank ``r`` of the
+    inventory would not be the process of global rank ``r``.
+    """
+    machines: list[tuple[str, list[DeviceReport]]] = []
+    for rank, (hostname, device) in enumerate(per_rank):
+        if machines and machines[-1][0] == hostname:
+            machines[-1][1].append(device)
+            continue
+        if any(name == hostname for name, _ in machines):
+            raise InventoryError(
+                f"rank {rank} is on machine {hostname!r}, whose other ranks are not contiguous; launch with "
+                f"torchrun or srun (which number a machine's ranks together) or pass cluster=... explicitly"
+            )
+        machines.append((hostname, [device]))
+    return [MachineReport(hostname=name, devices=tuple(devices)) for name, devices in machines]
 
 
 def match_device(device: DeviceReport, catalog: GpuCatalog = DEFAULT_CATALOG) -> GpuType:
@@ -109,3 +139,25 @@ def inventory_from_reports(
             )
         )
     return ClusterInventory(name=name, machines=tuple(machines), inter_machine_bandwidth_gbps=inter_machine_bandwidth_gbps)
+
+
+def check_detected_devices(inventory: ClusterInventory, reports: Sequence[DeviceReport | None]) -> None:
+    """Each rank's detected GPU must be of the type the inventory lists at that rank (all mismatches named).
+
+    ``reports`` holds one :func:`local_device_report` per global rank; None (a
+    CPU rank emulating its type) has nothing to compare.
+    """
+    wrong = []
+    for rank, report in enumerate(reports):
+        if report is None:
+            continue
+        detected = match_device(report).name
+        listed = inventory.gpus[rank]
+        if detected != listed.gpu_type.name:
+            wrong.append(f"rank {rank} (machine {listed.machine!r}, GPU {listed.local_index}) is listed as "
+                         f"{listed.gpu_type.name} but is a {report.name!r} ({detected})")
+    if wrong:
+        raise InventoryError(
+            f"cluster {inventory.name!r} disagrees with the detected devices: {'; '.join(wrong)}. Fix the cluster "
+            f"config (types in rank order, per machine), or omit cluster=... to use the detected devices"
+        )
