@@ -15,7 +15,7 @@ from zorse_lightning.planner.schedule import (
     build_schedule,
     check_coverage,
     microbatch_order,
-    simulate,
+    play_in_steps,
 )
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.memory import microbatches_in_flight, one_f_one_b_warmup
@@ -125,11 +125,11 @@ def test_validation_rejects_broken_programs():
     # Rank 1 takes microbatch 1 before 0 while rank 0 sends 0 first: FIFO order mismatch.
     swapped = (good[0], (Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)))
     with pytest.raises(PlanningError, match="deadlocks"):
-        simulate(plan, swapped)
+        play_in_steps(plan, swapped)
     # Rank 0 waits for a gradient before sending the activation it depends on.
     cyclic = ((Action(0, F, 0), Action(0, B, 1), Action(0, F, 1), Action(0, B, 0)), good[1])
     with pytest.raises(PlanningError, match="rank 0 at 0B1 waits"):
-        simulate(plan, cyclic)
+        play_in_steps(plan, cyclic)
 
 
 

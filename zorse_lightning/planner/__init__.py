@@ -1,7 +1,7 @@
 """Layer 3: the planner. Pure functions over inventories and profiles; no torch, no process groups.
 
 Entry points: :func:`make_plan` (search + integer program), the baselines of
-:mod:`.baselines`, :func:`simulate` (a plan as a timeline), and the cost model
+:mod:`.baselines`, :func:`simulate` (the engine's programs of a plan as a timeline), and the cost model
 (:func:`plan_cost`, :class:`CostContext`).
 """
 

@@ -5,9 +5,10 @@ the iteration's microbatches (``StagePlan.microbatch_ranges``). Every rank walks
 its microbatches in one *global* order (:func:`microbatch_order`), so the
 messages between any two ranks are sent and received in the same order (NCCL
 matches point-to-point messages by order, not by tag). Whether a program can
-deadlock is then only a question of waiting: :func:`simulate` runs all programs
-step by step with unbounded send buffers (sends are asynchronous in the
-executor) and raises if some rank can never proceed.
+deadlock is then only a question of waiting: :func:`play_in_steps` runs all
+programs step by step with unbounded send buffers (sends are asynchronous in the
+executor) and raises if some rank can never proceed. The timeline picture plays
+these same programs in event time (:mod:`.simulate`).
 
 Pure Python: no torch.
 """
@@ -124,7 +125,7 @@ def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Act
     deadlocks once stages differ in width and shares are uneven: a rank waits for
     a gradient whose forward is queued behind a rank that waits in turn. So the
     programs are recorded from a play in unit steps with FIFO channels, the rules
-    :func:`simulate` checks: each step every rank runs one action whose inputs are
+    :func:`play_in_steps` checks: each step every rank runs one action whose inputs are
     at the head of their channels: a forward while fewer than the limit
     (:func:`one_f_one_b_warmup` + 1, the planner's memory model) are in flight,
     else a ready backward: the classic warm-up, then one forward, one backward. Only when no rank can move within
@@ -215,7 +216,7 @@ def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], l
     return recv, send
 
 
-def simulate(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action | None, ...], ...]:
+def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action | None, ...], ...]:
     """Run the programs in unit time steps with FIFO channels; raise on deadlock.
 
     A rank runs its next action in a step when every message it must receive is
@@ -282,4 +283,4 @@ def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
     """The validated schedule of ``plan`` (forward-only for evaluation and prediction)."""
     programs = rank_programs(plan, forward_only)
     check_coverage(plan, programs, forward_only)
-    return PipelineSchedule(plan.schedule, programs, simulate(plan, programs))
+    return PipelineSchedule(plan.schedule, programs, play_in_steps(plan, programs))

@@ -1,46 +1,47 @@
 """A plan as a timeline: every forward, backward, transfer, synchronisation and optimizer
-step of one iteration, from an event simulation of the schedule (someone else draws it).
+step of one iteration, from an event simulation of the engine's own programs (someone
+else draws it).
 
-Each rank runs its microbatches in index order. Under 1F1B a rank of stage ``i``
-of ``S`` starts at most ``min(n, S - i)`` forwards ahead of its backwards and, when
-both are ready, runs the backward first; under GPipe it runs every forward, then
-every backward. A forward needs the previous stage's output (after the transfer),
-a backward the next stage's gradient (the last stage's, its own forward). A
-message moves only once its receiver is free to take it, as the engine's
-transport does (gloo sends when the blocking receive is posted, which the engine
-does when it reaches the action that needs it; the receiver's notice crosses the
-link the other way, behind what is queued there), and one at a time per link and
-direction. Per-op times, transfer times, synchronisation and optimizer step
-times are the cost model's (:mod:`.evaluate`); the stage's synchronisation starts when its last rank
-ends its last backward, and each rank's optimizer step when the synchronisation
-ends.
+Each rank plays its program from :func:`.schedule.build_schedule`, the action lists
+the engine executes, in their order: the picture shows what runs, not a schedule of
+its own. An action starts when its rank has ended the previous one and the message it
+needs (an activation from the previous stage, a gradient from the next) has arrived.
+A message moves only once its receiver is free to take it, as the engine's transport
+does (gloo sends when the blocking receive is posted, which the engine does when it
+reaches the action that needs it; the receiver's notice crosses the link the other
+way, behind what is queued there), and one at a time per link and direction. Per-op
+times, transfer times, synchronisation and optimizer step times are the cost model's
+(:mod:`.evaluate`); the stage's synchronisation starts when its last rank ends its
+last backward, and each rank's optimizer step when the synchronisation ends. The
+programs passed :func:`.schedule.play_in_steps`, which needs every message at the head
+of its channel; this play needs it only sent, so it cannot stall.
 
-Relationship to the cost model's ``iteration_ms`` (tested): equal when stages
-have no transfer time and every rank of a stage has the same work, and the stage
-that takes longest to synchronise and step is one that finishes its backwards
-last (the textbook ``(M + S - 1) t`` for single-GPU stages whose optimizer steps
-are negligible, ``max_r n_r t_r`` plus the all-reduce plus the slowest optimizer
-step for one stage); with transfers, the simulation may be longer (1F1B stalls
-while a gradient makes its round trip, which the closed form bounds only on
-average) or shorter (the closed form charges a shared link's whole traffic as a
+Relationship to the cost model's ``iteration_ms`` (tested): equal when stages have no
+transfer time and every rank of a stage has the same work, and the stage that takes
+longest to synchronise and step is one that finishes its backwards last (the textbook
+``(M + S - 1) t`` for single-GPU stages whose optimizer steps are negligible, ``max_r
+n_r t_r`` plus the all-reduce plus the slowest optimizer step for one stage); with
+transfers, the simulation may be longer (1F1B stalls while a gradient makes its round
+trip, which the closed form bounds only on average, and the more so where a program,
+recorded in unit steps, keeps fewer microbatches in flight than the warm-up the closed
+form assumes) or shorter (the closed form charges a shared link's whole traffic as a
 separate pipeline element, while the simulation overlaps it with compute; and it
-charges the fill and drain through every later element even where the busiest
-stage is the first). It is also
-shorter when a stage that ends early has the longest synchronisation and step:
-the closed form starts every stage's at the pipeline's end.
+charges the fill and drain through every later element even where the busiest stage is
+the first). It is also shorter when a stage that ends early has the longest
+synchronisation and step: the closed form starts every stage's at the pipeline's end.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
-from zorse_lightning.capabilities import Schedule
 from zorse_lightning.planner.comm import transfer_ms
-from zorse_lightning.planner.evaluate import CostContext, boundary_message_bytes, plan_cost, plan_stage_widths
-from zorse_lightning.planner.memory import microbatches_in_flight
+from zorse_lightning.planner.compute import MicrobatchTimes
+from zorse_lightning.planner.evaluate import CostContext, PlanCost, boundary_message_bytes, plan_cost
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.schedule import Action, ActionKind, Message, build_schedule, messages_of
 
 
 class EventKind(str, Enum):
@@ -76,139 +77,135 @@ class Timeline:
         return tuple(e for e in self.events if e.rank == rank)
 
 
-@dataclass
-class _Rank:
-    """Mutable state of one rank during the simulation (local to :func:`simulate`)."""
-
-    rank: int
-    stage: int
-    microbatches: list[int]
-    limit: int
-    forward_ms: float
-    backward_ms: float
-    free_at: float = 0.0
-    forwarded: int = 0
-    backwarded: int = 0
-
-
 def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     """Event simulation of one iteration of ``plan`` (see module docstring)."""
     cost = plan_cost(ctx, plan)
-    num_stages = len(plan.stages)
-    owner = [{j: r for r, mbs in s.microbatch_ranges().items() for j in mbs} for s in plan.stages]
-    transfer = [
-        {(a, b): (_one_transfer(ctx, plan, i, a, b), ctx.links.link(a, b)[0], ctx.links.link(b, a)[0]) for a, b, _ in bc.routes}
-        for i, bc in enumerate(cost.boundaries)
-    ]
-    link_free: dict = {}
-    ranks: dict[int, _Rank] = {}
-    widths = plan_stage_widths(plan)
-    for s, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
-        for r, times, mbs in zip(stage.ranks, stage_cost.times, stage.microbatch_ranges().values()):
-            limit = microbatches_in_flight(plan.schedule, widths, s, len(mbs))
-            ranks[r] = _Rank(r, s, list(mbs), limit, times.forward_ms, times.backward_ms)
-    forward_ready = {(0, j): _Message(0.0) for j in range(plan.num_microbatches)}
-    backward_ready: dict[tuple[int, int], _Message] = {}
-    events: list[TimelineEvent] = []
+    play = _Play(ctx, plan, cost, build_schedule(plan).programs)
+    play.run()
+    events = play.events + _tail_events(plan, cost, play.free_at)
+    return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
 
-    def next_op(state: _Rank):
-        """(start, is_backward) of the rank's next op, or None while it waits."""
-        options = []
-        if state.backwarded < state.forwarded:
-            j = state.microbatches[state.backwarded]
-            message = backward_ready.get((state.stage, j))
-            gpipe_wait = plan.schedule is Schedule.GPIPE and state.forwarded < len(state.microbatches)
-            if message is not None and not gpipe_wait:
-                options.append((message.received_ms(state.free_at, link_free), 0))
-        if state.forwarded < len(state.microbatches) and state.forwarded - state.backwarded < state.limit:
-            message = forward_ready.get((state.stage, state.microbatches[state.forwarded]))
-            if message is not None:
-                options.append((message.received_ms(state.free_at, link_free), 1))
-        return min(options) if options else None
 
-    heap = []
-    for state in ranks.values():
-        op = next_op(state)
-        if op is not None:
-            heapq.heappush(heap, (op[0], op[1], state.rank))
-    while heap:
-        start, kind, r = heapq.heappop(heap)
-        state = ranks[r]
-        op = next_op(state)
-        if op != (start, kind):  # stale entry: the rank's next op changed (a link got busier, say)
-            if op is not None:
-                heapq.heappush(heap, (op[0], op[1], r))
-            continue
-        touched = _run(plan, state, kind == 0, start, owner, transfer, link_free, forward_ready, backward_ready, events)
-        for t in {r, *touched}:
-            op = next_op(ranks[t])
-            if op is not None:
-                heapq.heappush(heap, (op[0], op[1], t))
-    done = sum(s.backwarded for s in ranks.values())
-    if done != plan.num_microbatches * num_stages:
-        raise RuntimeError(f"simulation stalled after {done} of {plan.num_microbatches * num_stages} backwards")
+def _tail_events(plan: Plan, cost: PlanCost, free_at: list[float]) -> list[TimelineEvent]:
+    """Each stage's synchronisation from its last backward on, then each rank's optimizer step."""
+    events = []
     for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
-        end = max(ranks[r].free_at for r in stage.ranks)
+        end = max(free_at[r] for r in stage.ranks)
         synced = end + cost.stage_sync_ms(index)
         for r, update_ms in zip(stage.ranks, stage_cost.update_ms):
             events.append(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, synced))
             events.append(TimelineEvent(r, EventKind.OPTIMIZER, -1, synced, synced + update_ms))
-    return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
+    return events
 
 
 @dataclass(frozen=True)
-class _Message:
-    """An activation or gradient sent at ``sent_ms``; it moves once its receiver is free (see module docstring)."""
+class _Route:
+    """How one message crosses from its sender to its receiver."""
 
-    sent_ms: float
-    transfer_ms: float = 0.0
-    link: tuple | None = None
-    """None: nothing to move (the first stage's inputs, the last stage's own loss)."""
-    notice_link: tuple | None = None
+    transfer_ms: float
+    link: tuple
+    notice_link: tuple
     """The link the other way, which the receiver's notice that it is ready crosses."""
-    sender: int = -1
-
-    def moves_at_ms(self, receiver_free_ms: float, link_free: dict) -> float:
-        if self.link is None:
-            return self.sent_ms
-        notice_ms = max(receiver_free_ms, link_free.get(self.notice_link, 0.0))
-        return max(self.sent_ms, notice_ms, link_free.get(self.link, 0.0))
-
-    def received_ms(self, receiver_free_ms: float, link_free: dict) -> float:
-        return max(receiver_free_ms, self.moves_at_ms(receiver_free_ms, link_free) + self.transfer_ms)
 
 
-def _one_transfer(ctx: CostContext, plan: Plan, boundary: int, a: int, b: int) -> float:
-    return transfer_ms(boundary_message_bytes(ctx, plan, boundary), *ctx.links.link(a, b)[1:])
+@dataclass
+class _Play:
+    """Every rank's progress through its program, in event time (local to :func:`simulate`).
 
+    The next action of the rank whose start is earliest runs first: starts only grow
+    (ranks and links only get busier), so a start computed earlier is a lower bound
+    and a popped one that still holds is the earliest of all.
+    """
 
-def _run(plan, state: _Rank, backward: bool, start: float, owner, transfer, link_free, forward_ready, backward_ready, events) -> set[int]:
-    """Run one op at ``start``: record the transfer it waited for (which held its link) and the op;
-    leave its output for the next rank; return the ranks that may now proceed."""
-    s, last = state.stage, len(plan.stages) - 1
-    j = state.microbatches[state.backwarded if backward else state.forwarded]
-    message = (backward_ready if backward else forward_ready).pop((s, j))
-    if message.link is not None:
-        moved = message.moves_at_ms(state.free_at, link_free)
-        link_free[message.link] = moved + message.transfer_ms
-        events.append(TimelineEvent(message.sender, EventKind.SEND, j, moved, moved + message.transfer_ms))
-        events.append(TimelineEvent(state.rank, EventKind.RECV, j, moved, moved + message.transfer_ms))
-    end = start + (state.backward_ms if backward else state.forward_ms)
-    events.append(TimelineEvent(state.rank, EventKind.BACKWARD if backward else EventKind.FORWARD, j, start, end))
-    state.free_at = end
-    if backward:
-        state.backwarded += 1
-        if s == 0:
-            return set()
-        peer = owner[s - 1][j]
-        delay, notice_link, link = transfer[s - 1][(peer, state.rank)]
-        backward_ready[(s - 1, j)] = _Message(end, delay, link, notice_link, state.rank)
-        return {peer}
-    state.forwarded += 1
-    if s == last:
-        backward_ready[(s, j)] = _Message(end)
-        return set()
-    peer = owner[s + 1][j]
-    delay, link, notice_link = transfer[s][(state.rank, peer)]
-    forward_ready[(s + 1, j)] = _Message(end, delay, link, notice_link, state.rank)
-    return {peer}
+    ctx: CostContext
+    plan: Plan
+    cost: PlanCost
+    programs: tuple[tuple[Action, ...], ...]
+    events: list[TimelineEvent] = field(default_factory=list)
+    free_at: list[float] = field(init=False)
+    """When each rank ends its last action so far (and posts its next receive)."""
+    cursor: list[int] = field(init=False)
+    sent_at: dict[Message, float] = field(default_factory=dict)
+    """Messages sent and not yet received, by when their sender ended the action that made them."""
+    link_free: dict[tuple, float] = field(default_factory=dict)
+    _stage_of: dict[int, int] = field(init=False)
+    _times: dict[int, MicrobatchTimes] = field(init=False)
+    """One microbatch's forward and backward on each working rank."""
+    _routes: dict[tuple[int, int], _Route] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free_at = [0.0] * len(self.programs)
+        self.cursor = [0] * len(self.programs)
+        self._stage_of = {r: i for i, stage in enumerate(self.plan.stages) for r in stage.ranks}
+        self._times = {
+            r: times
+            for stage, stage_cost in zip(self.plan.stages, self.cost.stages)
+            for r, times in zip(stage.ranks, stage_cost.times)
+        }
+
+    def run(self) -> None:
+        heap = [(start, r) for r in range(len(self.programs)) if (start := self.start_of(r)) is not None]
+        heapq.heapify(heap)
+        while heap:
+            start, r = heapq.heappop(heap)
+            now = self.start_of(r)
+            if now != start:  # stale: the rank ran meanwhile, or a link it needs got busier
+                if now is not None:
+                    heapq.heappush(heap, (now, r))
+                continue
+            for t in {r, *self.step(r, start)}:
+                if (next_start := self.start_of(t)) is not None:
+                    heapq.heappush(heap, (next_start, t))
+
+    def next_action(self, rank: int) -> tuple[Action, list[Message], list[Message]] | None:
+        """The rank's next action with (its receives, its sends), or None when its program is done."""
+        program = self.programs[rank]
+        if self.cursor[rank] == len(program):
+            return None
+        action = program[self.cursor[rank]]
+        return (action, *messages_of(self.plan, rank, action))
+
+    def start_of(self, rank: int) -> float | None:
+        """When the rank's next action can start, or None while a message it needs is unsent."""
+        upcoming = self.next_action(rank)
+        if upcoming is None or any(m not in self.sent_at for m in upcoming[1]):
+            return None
+        return max([self.free_at[rank], *(self.moves_at(m) + self.route(m).transfer_ms for m in upcoming[1])])
+
+    def moves_at(self, message: Message) -> float:
+        """When ``message`` starts to cross: sent, its receiver's notice across, its link free."""
+        route = self.route(message)
+        notice_ms = max(self.free_at[message.dst], self.link_free.get(route.notice_link, 0.0))
+        return max(self.sent_at[message], notice_ms, self.link_free.get(route.link, 0.0))
+
+    def step(self, rank: int, start: float) -> set[int]:
+        """Run the rank's next action at ``start``: record the transfers it waited for (which
+        held their links) and the action; return the ranks its sends may let proceed."""
+        action, receives, sends = self.next_action(rank)
+        for message in receives:
+            moved, route = self.moves_at(message), self.route(message)
+            self.link_free[route.link] = moved + route.transfer_ms
+            del self.sent_at[message]
+            for r, kind in ((message.src, EventKind.SEND), (rank, EventKind.RECV)):
+                self.events.append(TimelineEvent(r, kind, message.microbatch, moved, moved + route.transfer_ms))
+        times = self._times[rank]
+        end = start + (times.forward_ms if action.kind is ActionKind.FORWARD else times.backward_ms)
+        kind = EventKind.FORWARD if action.kind is ActionKind.FORWARD else EventKind.BACKWARD
+        self.events.append(TimelineEvent(rank, kind, action.microbatch, start, end))
+        self.free_at[rank] = end
+        self.cursor[rank] += 1
+        for message in sends:
+            self.sent_at[message] = end
+        return {message.dst for message in sends}
+
+    def route(self, message: Message) -> _Route:
+        """The cost model's price of one message between two ranks (both directions carry
+        the boundary's activation size: a gradient is as large as its activation)."""
+        pair = (message.src, message.dst)
+        if pair not in self._routes:
+            boundary = min(self._stage_of[message.src], self._stage_of[message.dst])
+            link, bandwidth_gbps, latency_us = self.ctx.links.link(*pair)
+            message_bytes = boundary_message_bytes(self.ctx, self.plan, boundary)
+            notice_link = self.ctx.links.link(message.dst, message.src)[0]
+            self._routes[pair] = _Route(transfer_ms(message_bytes, bandwidth_gbps, latency_us), link, notice_link)
+        return self._routes[pair]

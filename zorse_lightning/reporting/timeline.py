@@ -1,5 +1,6 @@
 """Draw one iteration of a plan: a row per GPU, bars for forward, backward, communication
-and the optimizer step."""
+and the optimizer step, from :func:`zorse_lightning.planner.simulate`, which plays the
+engine's own per-rank programs, so the picture shows the order the engine runs."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class TimelineEvent(Protocol):
 
 
 def draw_plan_timeline(plan: Plan, ctx: CostContext, path: str | Path) -> Path:
-    """Simulate one iteration of ``plan`` in the cost model and draw it."""
+    """Play one iteration of ``plan``'s engine programs in the cost model's times and draw it."""
     timeline = simulate(ctx, plan)
     labels = [f"{rank} {ctx.inventory.gpus[rank].gpu_type.name} idle" for rank in range(plan.world_size)]
     for index, stage in enumerate(plan.stages):
