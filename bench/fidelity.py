@@ -1,6 +1,6 @@
 """Cost-model fidelity: the planner's predicted iteration time against the measured one.
 
-    .venv/bin/python bench/fidelity.py                  # as root (the slow-link case); about 8 minutes
+    .venv/bin/python -m bench.fidelity                  # as root (the slow-link case); about 8 minutes
 
 For every plan of ``bench/hetero_throughput.py`` (clusters ``cpu_sim2``,
 ``cpu_sim2_1to5``, ``cpu_sim4``): the zorse strategy runs as there, and here
@@ -32,8 +32,7 @@ import sys
 import time
 from dataclasses import replace
 
-import hetero_throughput
-import slow_link
+from bench import hetero_throughput, slow_link
 
 
 def _entry(cluster: str, kind: str, predicted_ms: float, measured_ms: float, **extra) -> dict:

@@ -1,7 +1,7 @@
 """Throughput on emulated mixed-GPU clusters: the zorse plan against DDP and the ideal.
 
-    .venv/bin/python bench/hetero_throughput.py          # cpu_sim2, cpu_sim2_1to5, cpu_sim4: about 6 minutes
-    .venv/bin/python bench/hetero_throughput.py --clusters cpu_sim4 path/to/mix.yaml
+    .venv/bin/python -m bench.hetero_throughput          # cpu_sim2, cpu_sim2_1to5, cpu_sim4: about 6 minutes
+    .venv/bin/python -m bench.hetero_throughput --clusters cpu_sim4 path/to/mix.yaml
 
 For each cluster, in one set of processes (one per rank, gloo, one thread each):
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
@@ -61,7 +59,7 @@ from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.options import PlannerOptions
-from testing.launch import free_port
+from testing.launch import spawn_ranks
 
 CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")
 """2 ranks at 1 : 2.5 and 1 : 4.8, 4 ranks at 1 : 2.5 : 4.8 : 4.8."""
@@ -202,25 +200,18 @@ def _run_ddp(cluster: str, world_size: int, config: BenchConfig, root: str, cost
     }
 
 
-def _worker(rank: int, cluster: str, world_size: int, port: int, config: BenchConfig, out_dir: str, ddp: bool) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="bench", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    result = {"zorse": run_zorse(cluster, world_size, config, out_dir)}
+def _worker(rank: int, out_dir: Path, cluster: str, world_size: int, config: BenchConfig, ddp: bool) -> dict:
+    result = {"zorse": run_zorse(cluster, world_size, config, str(out_dir))}
     if ddp:
-        result["ddp"] = _run_ddp(cluster, world_size, config, out_dir, _costs_from_json(result["zorse"]["costs"]))
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(result))
+        result["ddp"] = _run_ddp(cluster, world_size, config, str(out_dir), _costs_from_json(result["zorse"]["costs"]))
+    return result
 
 
 def run_cluster(cluster: str, config: BenchConfig, ddp: bool = True) -> dict:
     """Spawn one process per rank of ``cluster``; rank 0's results of the zorse (and DDP) fits."""
     world_size = load_cluster(cluster).world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(cluster, world_size, free_port(), config, out_dir, ddp), nprocs=world_size, join=True)
-        return json.loads(Path(out_dir, "result.json").read_text())
+        return spawn_ranks(_worker, world_size, out_dir, cluster, world_size, config, ddp)[0]
 
 
 def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallCost]) -> dict[str, float]:

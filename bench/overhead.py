@@ -1,6 +1,6 @@
 """Engine overhead: a pure data-parallel zorse plan against ``Trainer(strategy="ddp")`` on 2 equal ranks.
 
-    .venv/bin/python bench/overhead.py                  # about 2 minutes
+    .venv/bin/python -m bench.overhead                  # about 2 minutes
 
 Two CPU processes (gloo, one thread each) emulate two A100s; both strategies
 run on the same emulation (ZorseStrategy's own for zorse, the

@@ -1,6 +1,6 @@
 """Recovery time: a relaunch after a rank died, reading survivors' state first vs a plain reload.
 
-    .venv/bin/python bench/recovery.py [--width 256] [--layers 8] [--repeats 3]   # about 2 minutes on 2 cores
+    .venv/bin/python -m bench.recovery [--width 256] [--layers 8] [--repeats 3]   # about 2 minutes on 2 cores
 
 A 3-rank run (stage 0 on rank 0, stage 1 on ranks 1 and 2) checkpoints at step
 2; rank 2 is SIGKILLed in step 4; ranks 0 and 1 keep their state of step 3.
@@ -66,8 +66,7 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, args: argpars
     from testing.launch import torchrun_variables
     from testing.plans import hand_plan
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_faults import CLUSTER as THREE_RANKS
+    from testing.gpt_reference import CPU_SIM3 as THREE_RANKS
 
     marks = {"imported": time.time()}
     torch.set_num_threads(1)
@@ -137,7 +136,7 @@ def _launch(world: int, phase: str, out: Path, args: argparse.Namespace) -> None
     port, launched_at = free_port(), time.time()
     common = ["--world", str(world), "--port", str(port), "--phase", phase, "--out", str(out), "--width",
               str(args.width), "--layers", str(args.layers), "--launched-at", str(launched_at)]
-    processes = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common], stdout=subprocess.DEVNULL,
+    processes = [subprocess.Popen([sys.executable, "-m", "bench.recovery", "--rank", str(r), *common], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE) for r in range(world)]
     for process in processes:
         process.communicate(timeout=600)

@@ -1,6 +1,6 @@
 """A slow link between machines: the planner's plan against data parallel across the link.
 
-    .venv/bin/python bench/slow_link.py                 # as root (network namespaces); about 5 minutes
+    .venv/bin/python -m bench.slow_link                 # as root (network namespaces); about 5 minutes
 
 Each case is two "machines" (network namespaces, :mod:`testing.netns`)
 of two emulated CPU ranks each, joined by a link shaped with ``tc ... tbf``:
@@ -195,7 +195,7 @@ def bench_case(cluster: NetnsCluster, config: BenchConfig) -> dict:
         cluster_file = Path(out_dir, "cluster.json")
         cluster_file.write_text(json.dumps(cluster.inventory_mapping()))
         config_args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(config).items()]
-        net.torchrun([__file__, "--worker", str(cluster_file), out_dir, *config_args], log_dir=Path(out_dir),
+        net.torchrun(["-m", "bench.slow_link", "--worker", str(cluster_file), out_dir, *config_args], log_dir=Path(out_dir),
                      env={"PYTHONFAULTHANDLER": "1"}, timeout_s=400)
         runs = json.loads(Path(out_dir, "result.json").read_text())
     plan, dp = runs["plan"], runs["dp"]

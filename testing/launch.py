@@ -71,6 +71,12 @@ def _run_rank(rank: int, worker: Callable[..., Any], port: int, out_dir: str, wo
     os.environ.update(torchrun_variables(rank, world_size, port))
     result = worker(rank, Path(out_dir), *args)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # A process that exits with a live gloo group can abort in its destructor ("terminate called without an
+    # active exception", SIGABRT), failing the whole spawn although every rank finished.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn_ranks(worker: Callable[..., Any], world_size: int, out_dir: str | Path, *args: Any) -> list[Any]:

@@ -11,6 +11,8 @@ the sum).
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 
 @dataclass
@@ -172,3 +175,13 @@ def replay(module: Any, merged: dict[str, LoggedValue], batch_size: int) -> None
     for name, record in merged.items():
         kwargs = dict(record.kwargs, sync_dist=False, batch_size=batch_size)
         module.log(name, torch.tensor(record.value), **kwargs)
+
+
+def quiet_merged_metric_advice() -> None:
+    """Lightning advises ``sync_dist=True`` for epoch-level metrics of distributed runs. Under this strategy
+    every logged value reaches Lightning already merged over the ranks (:func:`replay`), so the advice
+    is wrong here, and following it would reduce the merged values a second time."""
+    warnings.filterwarnings(
+        "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`", category=PossibleUserWarning
+    )
+

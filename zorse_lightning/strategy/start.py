@@ -55,3 +55,10 @@ def startup_inputs(
         planner_options=options, block_path=block_path, emulation=emulation,
         automatic_optimization=module.automatic_optimization,
     )
+
+
+def training_loader(trainer: Any, fallback: DataLoader) -> DataLoader:
+    """The loader ``fit`` will train on, made now (Lightning makes it again after the sanity check)."""
+    train = trainer.fit_loop._data_source.dataloader()
+    return train if isinstance(train, DataLoader) else fallback
+

@@ -16,7 +16,6 @@ emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
 
 from __future__ import annotations
 
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -51,13 +49,13 @@ from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks, ResumeSta
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 from zorse_lightning.strategy.gradient_stash import GradientStash
 from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
-from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
+from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, quiet_merged_metric_advice, replay
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.strategy.plan_checks import check_plan_against, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
 from zorse_lightning.strategy.recovery import start_watchdog
 from zorse_lightning.strategy.sampler import plan_dataloader
-from zorse_lightning.strategy.start import quiet_training_step, rank_emulation, startup_inputs
+from zorse_lightning.strategy.start import quiet_training_step, rank_emulation, startup_inputs, training_loader
 from zorse_lightning.strategy.validation import check_plan_for_module
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -202,7 +200,7 @@ class ZorseStrategy(CheckpointHooks):
         if self._cluster_source is None and self._inventory is None and self._plan_source is None:
             self._inventory = detect_cluster(self.root_device, self.world_size)
         self.accelerator.setup(trainer)
-        _quiet_merged_metric_advice()
+        quiet_merged_metric_advice()
         self._set_precision()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -269,7 +267,7 @@ class ZorseStrategy(CheckpointHooks):
         """
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking:
-            loader = _training_loader(trainer, loader)
+            loader = training_loader(trainer, loader)
         inputs = startup_inputs(
             self.lightning_module, self.inventory, loader, self.global_rank, self.world_size, self.root_device,
             self._resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
@@ -440,17 +438,3 @@ class ZorseStrategy(CheckpointHooks):
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )
 
-
-def _quiet_merged_metric_advice() -> None:
-    """Lightning advises ``sync_dist=True`` for epoch-level metrics of distributed runs. Under this strategy
-    every logged value reaches Lightning already merged over the ranks (:mod:`.log_capture`), so the advice
-    is wrong here, and following it would reduce the merged values a second time."""
-    warnings.filterwarnings(
-        "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`", category=PossibleUserWarning
-    )
-
-
-def _training_loader(trainer: Any, fallback: DataLoader) -> DataLoader:
-    """The loader ``fit`` will train on, made now (Lightning makes it again after the sanity check)."""
-    train = trainer.fit_loop._data_source.dataloader()
-    return train if isinstance(train, DataLoader) else fallback
