@@ -104,6 +104,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     from zorse_lightning.planner.evaluate import CostContext, plan_cost
     from zorse_lightning.planner.options import PlannerOptions
     from zorse_lightning.planner.search import make_plan
+    from testing.launch import leave_world
     from testing.netns import uplink_sent_bytes
     from testing.timing import StepTimer
 
@@ -184,6 +185,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
                 ],
             }
         Path(out_dir, "result.json").write_text(json.dumps(result))
+    leave_world()
 
 
 def _error_pct(run: dict) -> float:

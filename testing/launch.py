@@ -71,8 +71,16 @@ def _run_rank(rank: int, worker: Callable[..., Any], port: int, out_dir: str, wo
     os.environ.update(torchrun_variables(rank, world_size, port))
     result = worker(rank, Path(out_dir), *args)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # A process that exits with a live gloo group can abort in its destructor ("terminate called without an
-    # active exception", SIGABRT), failing the whole spawn although every rank finished.
+    leave_world()
+
+
+def leave_world() -> None:
+    """Destroy this process's process group, if any, before the process exits.
+
+    A process that exits with a live gloo group can abort in its destructor
+    ("terminate called without an active exception", SIGABRT), failing the
+    whole launch although every rank finished its work.
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
