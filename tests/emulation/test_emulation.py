@@ -24,6 +24,7 @@ from zorse_lightning.emulation.emulator import (
     cpu_cores_demanded,
     emulated_modules,
     emulation_spec_for_rank,
+    named_emulated_modules,
 )
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.strategy.accelerator import (
@@ -175,6 +176,11 @@ def test_blocks_are_those_the_cut_finds_and_an_encoder_decoder_is_emulated_whole
     model = EncoderDecoder()
     # Two equally long lists of different classes: the cut refuses the model, so no part is a block.
     assert emulated_modules(model) == [model.embed, model.encoder, model.decoder, model.head]
+    # Named by the user (ZorseStrategy(block_path=...)), the chain is the cut's and the stage's blocks are
+    # emulated one by one, so each stage pays for its own.
+    named = named_emulated_modules(model, "decoder")
+    assert [m for _, m in named] == [model.embed, model.encoder, *model.decoder, model.head]
+    assert [n for n, _ in named] == ["embed", "encoder", "decoder.0", "decoder.1", "head"]
     model.decoder.append(nn.LayerNorm(16))
     assert emulated_modules(model) == [model.embed, model.encoder, *model.decoder, model.head]
 

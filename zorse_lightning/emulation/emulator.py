@@ -113,19 +113,19 @@ def emulated_modules(root: nn.Module) -> list[nn.Module]:
     return [module for _, module in named_emulated_modules(root)]
 
 
-def named_emulated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+def named_emulated_modules(root: nn.Module, block_path: str | None = None) -> list[tuple[str, nn.Module]]:
     """Modules that cover the compute of ``root`` without nesting, with their names in ``root``: the blocks,
     and the other parts whole.
 
     The block list is the one :func:`~zorse_lightning.module.blocks.find_block_list`
-    finds (with no ``block_path``), so the emulator and the cut agree on what a
-    block is; each block is emulated alone, so a pipeline stage pays for its own
+    finds (at ``block_path`` where the user names it), so the emulator and the cut
+    agree on what a block is; each block is emulated alone, so a pipeline stage pays for its own
     blocks. Every other child that holds parameters (embeddings, head, final
     norm) is emulated as one piece; parameterless children (activations, dropout,
     metrics) cost little and are left alone. Without a block list to cut (none,
     or an encoder-decoder's two), each such child is emulated whole.
     """
-    found = find_block_list_or_none(root)
+    found = find_block_list_or_none(root, block_path)
     blocks = found.container if found is not None else None
     covered: list[tuple[str, nn.Module]] = []
 

@@ -31,7 +31,7 @@ class StageEmulation:
     ) -> StageEmulation:
         """This rank's emulation of its stage, on ``costs`` (calibrated at start-up when the strategy planned, so
         the run and the profile behind its prediction use the same costs; else calibrated at first use)."""
-        named = named_emulated_modules(module)
+        named = named_emulated_modules(module, engine.cut.blocks.path if engine.cut is not None else None)
         if engine.cut is not None:
             named = _stage_modules(module, engine.cut, named)
         emulator = emulation.instrumented(module, costs, named=named)

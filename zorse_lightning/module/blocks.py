@@ -85,7 +85,7 @@ def find_block_list(root: nn.Module, path: str | None = None) -> BlockList:
     return top[0]
 
 
-def find_block_list_or_none(root: nn.Module) -> BlockList | None:
+def find_block_list_or_none(root: nn.Module, path: str | None = None) -> BlockList | None:
     """The block list :func:`find_block_list` finds in ``root``, or None where that raises :class:`CutError`.
 
     For callers that carry on without a chain (the emulator then emulates each
@@ -93,6 +93,6 @@ def find_block_list_or_none(root: nn.Module) -> BlockList | None:
     cut agree on which list the blocks are.
     """
     try:
-        return find_block_list(root)
+        return find_block_list(root, path)
     except CutError:
         return None

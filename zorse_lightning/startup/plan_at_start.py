@@ -154,7 +154,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     example = first_block_input(blocks.blocks[0], one_sample)
     costs = None
     if inputs.emulation is not None:
-        costs = calibrate_in_turn(named_emulated_modules(inputs.module), one_sample, batch_samples=1)
+        costs = calibrate_in_turn(named_emulated_modules(inputs.module, blocks.path), one_sample, batch_samples=1)
     mine = None
     if _first_of_its_type(inventory, inputs.rank):
         gpu_type = inventory.gpus[inputs.rank].gpu_type.name

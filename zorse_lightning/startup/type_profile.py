@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zorse_lightning.emulation.emulator import named_emulated_modules
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.module.blocks import BlockList
@@ -63,7 +64,8 @@ def measure_type_profile(
         if emulator is not None:
             emulator.remove()
 
-    step_emulator = emulation.instrumented(root, costs) if emulation is not None else None
+    whole = named_emulated_modules(root, blocks.path)
+    step_emulator = emulation.instrumented(root, costs, named=whole) if emulation is not None else None
 
     def step(micro: Any) -> Any:
         if step_emulator is not None:
