@@ -10,7 +10,12 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import TensorDataset
 
+from testing.plans import hand_plan
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.models.gpt import GPT
+from zorse_lightning.planner.plan import Plan
 
 CPU_SIM3 = {
     "name": "cpu_sim3", "emulated": True,
@@ -21,6 +26,19 @@ CPU_SIM3 = {
     ]}],
 }
 """Three emulated GPU types on one machine: the fault and resume tests' cluster."""
+
+
+def elastic_plans() -> dict[int, tuple[ClusterInventory, Plan]]:
+    """The resume tests' cluster and plan by number of ranks, for :func:`gpt` with a global batch of 16 in
+    microbatches of 2: 4 ranks (cpu_sim4, optimizer state sharded in both stages), 3 (``CPU_SIM3``), 2 (cpu_sim2)."""
+    sim4, sim3, sim2 = load_cluster("cpu_sim4"), load_cluster(CPU_SIM3), load_cluster("cpu_sim2")
+    return {
+        4: (sim4, hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (5, 3), (2, 4))], microbatch_size=2,
+                            sharding=Sharding.OPTIMIZER, shard_fractions={0: (0.7, 0.3)}, inventory=sim4)),
+        3: (sim3, hand_plan([((0,), (8,), (0, 2)), ((1, 2), (4, 4), (2, 4))], microbatch_size=2, inventory=sim3)),
+        2: (sim2, hand_plan([((0,), (8,), (0, 1)), ((1,), (8,), (1, 4))], microbatch_size=2, inventory=sim2)),
+    }
+
 
 WORLD = 4
 STEPS = 3

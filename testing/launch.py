@@ -61,6 +61,18 @@ def torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def join_world(world_size: int, port: int) -> None:
+    """Leave the current process group (if any) so that the next Trainer forms one of ``world_size`` ranks on
+    ``port``: a spawned run tries several cluster sizes in turn (ranks beyond the new size sit out)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+
+
 def _run_rank(rank: int, worker: Callable[..., Any], port: int, out_dir: str, world_size: int, *args: Any) -> None:
     """One spawned rank: one thread (two cores are shared by all ranks), torchrun's variables, result to JSON."""
     import os

@@ -17,28 +17,20 @@ each must equal A: float32 parameters within 1e-6 on the same plan, within
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from testing.gpt_reference import CPU_SIM3 as CLUSTER
-from testing.gpt_reference import GLOBAL_BATCH, Recorder, gpt, tokens
+from testing.gpt_reference import GLOBAL_BATCH, Recorder, elastic_plans, gpt, tokens
 from torch.utils.data import DataLoader
 
-from zorse_lightning.capabilities import Sharding
-from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.checkpoint_files import CheckpointError, shard_name
 from zorse_lightning.apps.export_app import export_state_dict
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
-from testing.launch import free_ports
-from testing.plans import hand_plan
+from testing.launch import free_ports, join_world, spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,19 +39,9 @@ EVERY = 2
 EPOCH_BATCHES = 6
 
 
-def _plans():
-    sim4, sim3, sim2 = load_cluster("cpu_sim4"), load_cluster(CLUSTER), load_cluster("cpu_sim2")
-    return {
-        4: (sim4, hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (5, 3), (2, 4))], microbatch_size=2,
-                            sharding=Sharding.OPTIMIZER, shard_fractions={0: (0.7, 0.3)}, inventory=sim4)),
-        3: (sim3, hand_plan([((0,), (8,), (0, 2)), ((1, 2), (4, 4), (2, 4))], microbatch_size=2, inventory=sim3)),
-        2: (sim2, hand_plan([((0,), (8,), (0, 1)), ((1,), (8,), (1, 4))], microbatch_size=2, inventory=sim2)),
-    }
-
-
 def _fit(world: int, tmp: Path, steps: int, ckpt_path: Path | None = None, save_every: Path | None = None,
          plan_at_start: bool = False):
-    inventory, plan = _plans()[world]
+    inventory, plan = elastic_plans()[world]
     plan = None if plan_at_start else plan
     recorder = Recorder("train_loss")
     callbacks = [recorder]
@@ -76,12 +58,6 @@ def _fit(world: int, tmp: Path, steps: int, ckpt_path: Path | None = None, save_
     return trainer, model, recorder.values
 
 
-def _join(world: int, port: int) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
-
-
 def _finish(name: str, trainer: pl.Trainer, model: pl.LightningModule, losses: list[float], tmp: Path) -> dict:
     trainer.save_checkpoint(tmp / f"{name}.ckpt")
     held = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
@@ -94,13 +70,9 @@ def _finish(name: str, trainer: pl.Trainer, model: pl.LightningModule, losses: l
     }
 
 
-def _worker(rank: int, ports: list[int], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-    )
-    tmp, result = Path(out_dir), {}
-    _join(4, ports[0])
+def _worker(rank: int, tmp: Path, ports: list[int]) -> dict:
+    result = {}
+    join_world(4, ports[0])  # ports distinct from each other (spawn_ranks' own might equal one of them)
     result["A"] = _finish("A", *_fit(4, tmp, STEPS, save_every=tmp / "every"), tmp)
     step2 = tmp / "every" / "step=2.ckpt"
     broken = tmp / "broken.ckpt"
@@ -115,23 +87,21 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
         result["broken"] = str(error)
     result["B"] = _finish("B", *_fit(4, tmp, STEPS, ckpt_path=step2), tmp)
     if rank < 3:
-        _join(3, ports[1])
+        join_world(3, ports[1])
         result["C"] = _finish("C", *_fit(3, tmp, STEPS, ckpt_path=step2, plan_at_start=True), tmp)
     if rank < 2:
-        _join(2, ports[2])
+        join_world(2, ports[2])
         trainer, _, result["D_losses"] = _fit(2, tmp, EVERY)
         trainer.save_checkpoint(tmp / "D.ckpt")
-    _join(4, ports[3])
+    join_world(4, ports[3])
     result["E"] = _finish("E", *_fit(4, tmp, STEPS, ckpt_path=tmp / "D.ckpt"), tmp)
-    dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    return result
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    mp.spawn(_worker, args=(free_ports(4), str(out)), nprocs=4, join=True)
-    return out, [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
+    return out, spawn_ranks(_worker, 4, out, free_ports(4))
 
 
 def _max_diff(a: dict, b: dict) -> float:

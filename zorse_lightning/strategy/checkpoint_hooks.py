@@ -27,17 +27,35 @@ from zorse_lightning.strategy.sampler import PlanBatchSampler, SamplerState
 class ResumeState:
     """Where the data stands and what a loaded checkpoint left to apply."""
 
-    samplers: list[PlanBatchSampler] = field(default_factory=list)
-    samples_done: int = 0
-    """Samples consumed by finished optimizer steps (global): the data position a checkpoint records."""
-    restored_sampler: SamplerState | None = None
+    sampler: PlanBatchSampler | None = None
+    """The training loader's (the newest, when Lightning reloads it); evaluation loaders' have no position."""
+    position: SamplerState | None = None
+    """Where the training data continues, the data position a checkpoint records: restored from a checkpoint,
+    then moved by each finished step; None before either."""
     checkpoint_global_batch_size: int | None = None
     """The resumed checkpoint's global batch size: a plan made at start keeps it (same data order)."""
     pending_optimizer_states: list[dict[str, Any]] = field(default_factory=list)
     """Applied once the optimizers are restricted to this rank's weights."""
 
+    def train_loader(self, sampler: PlanBatchSampler) -> None:
+        """A new training loader continues at the position (a reload, at an epoch start, too)."""
+        sampler.require_batches()
+        if self.position is not None:
+            sampler.restore(self.position)
+        self.sampler = sampler
+
+    def step_done(self, batches_done: int, epoch_batches: int) -> None:
+        """After ``batches_done`` of the ``epoch_batches`` global batches of this epoch: the position a
+        checkpoint taken now records (the next epoch's start after the last batch), and where the sampler's
+        next pass starts (its pass of this epoch goes on as it began)."""
+        if self.sampler is not None:
+            self.position = self.sampler.state(batches_done, epoch_batches)
+            self.sampler.restore(self.position)
+
     def sampler_state(self) -> SamplerState | None:
-        return self.samplers[0].state(self.samples_done) if self.samplers else None
+        if self.position is None and self.sampler is not None:
+            return self.sampler.state(0, len(self.sampler))
+        return self.position
 
 
 class CheckpointHooks(ProcessStrategy):
@@ -113,8 +131,7 @@ class CheckpointHooks(ProcessStrategy):
             self._resume.checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
         sampler = zorse.get("sampler")
         if sampler:
-            self._resume.samples_done = sampler["samples_done"]
-            self._resume.restored_sampler = SamplerState(**sampler)
+            self._resume.position = SamplerState(**sampler)
         return checkpoint
 
     @override

@@ -5,7 +5,17 @@ order (a seeded permutation when the user's loader shuffles, else the dataset
 order); microbatch ``j`` is its samples ``[j m, (j+1) m)``, and a rank loads
 the contiguous microbatches the plan gives it. Positions are counted in global
 samples, whatever the number of ranks, so a run resumed on another cluster (another
-plan) continues with the same samples.
+plan) continues with the same samples. The shuffled order of epoch ``e`` is the one
+``DistributedSampler.set_epoch(e)`` gives (seed ``seed + e``), so a global batch
+holds the samples of DDP's global batch of the same step.
+
+The strategy, not Lightning's epoch counter, moves the sampler on (the
+``"zorse"`` section of a checkpoint records where): after each step to the next
+global batch, after an epoch's last one to the next epoch's start. Lightning's
+``set_epoch`` does not reach a batch sampler, and its counter is not the data's:
+a fit stopped by ``max_steps`` mid-epoch counts as a finished epoch, so a resume
+would skip the rest of that epoch and shift every later epoch's order by one
+from an uninterrupted run's.
 
 An idle rank (``Plan.idle_ranks``) loads no sample, yet its Lightning loop must
 run every step, since it joins the world-wide collectives of each step: its
@@ -28,6 +38,8 @@ from zorse_lightning.planner.plan import Plan
 
 @dataclass(frozen=True)
 class SamplerState:
+    """Where the training data continues: ``samples_done`` global samples into epoch ``epoch``."""
+
     epoch: int
     samples_done: int
     """Global samples of this epoch already trained on (a multiple of the global batch size)."""
@@ -76,12 +88,6 @@ class PlanBatchSampler(Sampler[list[int]]):
         # A stage's rank without microbatches still takes part in every step; it gets one microbatch it ignores.
         return range(share.start * m, share.stop * m) if len(share) else range(m)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this at each epoch start; a new epoch starts at its beginning."""
-        if epoch != self.epoch:
-            self.skip_samples = 0
-        self.epoch = epoch
-
     def epoch_order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.dataset_size))
@@ -94,16 +100,45 @@ class PlanBatchSampler(Sampler[list[int]]):
         return self.dataset_size // self.plan.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.epoch_order()
         size = self.plan.global_batch_size
-        for start in range(self.skip_samples, self.dataset_size - size + 1, size):
+        starts = range(self.skip_samples, self.dataset_size - size + 1, size)
+        if self.skip_samples and not starts:
+            raise ValueError(
+                f"epoch {self.epoch} resumes at global sample {self.skip_samples}, but it has {len(self)} full global "
+                f"batches of {size} ({len(self) * size} samples): this rank would train nothing in it. The "
+                "checkpoint's data position does not fit this loader; resume with the dataset and global batch size "
+                "the checkpoint was taken with"
+            )
+        order = self.epoch_order()
+        for start in starts:
             yield [order[start + row] for row in self.rows]
 
-    def state(self, samples_done: int) -> SamplerState:
-        return SamplerState(self.epoch, samples_done, self.seed, self.shuffle)
+    def require_batches(self) -> None:
+        """A training epoch without one full global batch would end at once, and Lightning only logs that it
+        had no batches: refused instead."""
+        size = self.plan.global_batch_size
+        if len(self) == 0:
+            raise ValueError(
+                f"the training dataset has {self.dataset_size} samples, fewer than one global batch of {size}: zorse "
+                "trains full global batches only (an incomplete one is dropped, as with drop_last=True), so no step "
+                f"would run; give the loader at least {size} samples or make its batch size smaller"
+            )
+
+    def state(self, batches_done: int, epoch_batches: int) -> SamplerState:
+        """The position after ``batches_done`` of the ``epoch_batches`` global batches Lightning runs this epoch
+        (``limit_train_batches`` applied): after the last one, the start of the next epoch."""
+        if batches_done >= epoch_batches:
+            return SamplerState(self.epoch + 1, 0, self.seed, self.shuffle)
+        return SamplerState(self.epoch, batches_done * self.plan.global_batch_size, self.seed, self.shuffle)
 
     def restore(self, state: SamplerState) -> None:
-        self.epoch, self.skip_samples = state.epoch, state.samples_done
+        """Continue at ``state``. A position at the very end of its epoch, as checkpoints recorded an epoch's end
+        before the position moved on to the next epoch's start, is the next epoch's start."""
+        epoch_end = len(self) * self.plan.global_batch_size
+        if 0 < epoch_end == state.samples_done:
+            self.epoch, self.skip_samples = state.epoch + 1, 0
+        else:
+            self.epoch, self.skip_samples = state.epoch, state.samples_done
 
 
 def loader_shuffles(loader: DataLoader) -> bool:

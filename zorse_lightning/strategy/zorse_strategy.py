@@ -284,9 +284,8 @@ class ZorseStrategy(CheckpointHooks):
         if self._plan is None:
             self._set_plan(self._plan_at_start(dataloader))
         loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
-        if self._resume.restored_sampler is not None and not self._resume.samplers:
-            loader.batch_sampler.restore(self._resume.restored_sampler)
-        self._resume.samplers.append(loader.batch_sampler)
+        if self.lightning_module.trainer.training:
+            self._resume.train_loader(loader.batch_sampler)
         return loader
 
     # -- the step --------------------------------------------------------------------------
@@ -349,7 +348,7 @@ class ZorseStrategy(CheckpointHooks):
     def _step_done(self, batch_idx: int) -> None:
         if self._emulation is not None:
             self._emulation.after_step()
-        self._resume.samples_done = (batch_idx + 1) * self.plan.global_batch_size
+        self._resume.step_done(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
 
     def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
         if not self.engine.prepared:
@@ -437,4 +436,3 @@ class ZorseStrategy(CheckpointHooks):
         strategy_registry.register(
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )
-
