@@ -7,6 +7,7 @@ tests skip, with the reason, where either is missing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -183,7 +184,9 @@ def test_namespaces_are_removed_when_the_owner_is_terminated(tmp_path: Path) -> 
             print(net.switch, net.namespace(0), net.namespace(1), flush=True)
             time.sleep(600)
     """)
-    process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    repository = str(Path(__file__).resolve().parents[2])  # testing/ is not installed: the child imports it from here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repository, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     names = set(process.stdout.readline().split())
     assert len(names) == 3 and names <= _namespaces()
     process.terminate()
