@@ -78,7 +78,7 @@ def test_scaled_and_unscaled_training_take_the_same_steps() -> None:
         plain_opt.step()
         plain_opt.zero_grad()
         (_loss(scaled, step) * scale.scale).backward()
-        overflowed = scale.unscale_(list(scaled.parameters()))
+        overflowed = scale.unscale_(list(scaled.parameters()), torch.device("cpu"))
         assert not overflowed
         scale.update(overflowed)
         scaled_opt.step()

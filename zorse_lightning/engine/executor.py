@@ -245,7 +245,7 @@ class PipelineEngine:
         self.reduction.finish()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm)
+        return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm, self.device)
 
     def after_optimizer_step(self) -> None:
         if self.shards is not None:

@@ -145,12 +145,14 @@ class OverlappedReduction:
 
 
 def clip_global_norm_(
-    params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, max_norm: float
+    params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, max_norm: float, device: torch.device
 ) -> torch.Tensor:
     """Scale gradients so that their norm over all stages is at most ``max_norm``; returns the norm.
 
     Gradients are already reduced (equal on every rank of a stage), so each weight
-    is counted once: by the first rank of the first stage that holds it.
+    is counted once: by the first rank of the first stage that holds it. The sum is
+    all-reduced as a tensor on ``device``, the rank's own, also on a rank that holds
+    no weight (idle): NCCL refuses a host tensor.
     """
     counts_here = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
     norms = [
@@ -158,8 +160,7 @@ def clip_global_norm_(
         for p, holders in params
         if counts_here and min(holders) == groups.stage_index and p.grad is not None
     ]
-    device = params[0][0].device if params else torch.device("cpu")
-    square = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+    square = torch.stack(norms).square().sum().to(device) if norms else torch.zeros((), device=device)
     dist.all_reduce(square)
     total = square.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -115,14 +115,33 @@ class ZorseCPUAccelerator(CPUAccelerator, ZorseAccelerator):
         )
 
 
+def cuda_index_for(local_rank: int, visible_devices: int) -> int:
+    """The CUDA device a process of local rank ``local_rank`` uses, among the ``visible_devices`` it sees.
+
+    One process per GPU sees either every GPU of its machine (``cuda:LOCAL_RANK``)
+    or, under SLURM's ``--gpus-per-task`` or a ``CUDA_VISIBLE_DEVICES`` per process,
+    only its own (``cuda:0``).
+    """
+    if local_rank < visible_devices:
+        return local_rank
+    if visible_devices == 1:
+        return 0
+    raise ZorseUserError(
+        f"local rank {local_rank} sees {visible_devices} CUDA devices: a process needs either its own GPU alone "
+        f"or every GPU of its machine; set CUDA_VISIBLE_DEVICES per process (or srun --gpus-per-task=1), or "
+        f"launch at most {visible_devices} processes on this machine"
+    )
+
+
 class ZorseCUDAAccelerator(CUDAAccelerator, ZorseAccelerator):
-    """One CUDA device per rank, ``cuda:LOCAL_RANK``, its type detected and named from the catalog."""
+    """One CUDA device per rank (:func:`cuda_index_for`), its type detected and named from the catalog."""
 
     @override
     def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_index_for(local_rank, torch.cuda.device_count()))
         report = local_device_report(device)
-        assert report is not None  # a CUDA device always reports
+        if report is None:
+            raise ZorseUserError(f"{device} gave no device report; check the CUDA installation with nvidia-smi")
         return RankDevice(global_rank, device, gpu_type=match_device(report), emulation=None)
 
 

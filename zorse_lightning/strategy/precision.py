@@ -87,10 +87,14 @@ class DynamicLossScale:
     growth_interval: int = 2000
     clean_steps: int = 0
 
-    def unscale_(self, parameters: Sequence[torch.nn.Parameter], group: Any = None) -> bool:
-        """Divide gradients by the scale; True when any rank of ``group`` saw inf or NaN (collective)."""
+    def unscale_(self, parameters: Sequence[torch.nn.Parameter], device: torch.device, group: Any = None) -> bool:
+        """Divide gradients by the scale; True when any rank of ``group`` saw inf or NaN (collective).
+
+        The verdict is a tensor on ``device``, the rank's own, even on a rank with no
+        gradient (idle, or its stage holds none): NCCL refuses a host tensor.
+        """
         grads = [p.grad for p in parameters if p.grad is not None]
-        found = torch.zeros((), device=grads[0].device if grads else "cpu")
+        found = torch.zeros((), device=device)
         for grad in grads:
             found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
             grad.mul_(1.0 / self.scale)
@@ -130,11 +134,14 @@ class ZorsePrecision(Precision):
         device_type: str,
         loss_scale: DynamicLossScale | None = None,
         parameters: Callable[[], Sequence[torch.nn.Parameter]] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.autocast_dtype = autocast_dtype
         self.device_type = device_type
         self.loss_scale = loss_scale
         self.parameters = parameters
+        self.device = device
+        """The rank's device, where the overflow verdict is reduced (the strategy sets it; None: ``device_type``)."""
         self.skipped_steps = 0
 
     @classmethod
@@ -162,7 +169,7 @@ class ZorsePrecision(Precision):
         closure_result = closure()
         if self.parameters is None:
             raise RuntimeError("ZorsePrecision with loss scaling needs parameters=... (the strategy sets it)")
-        overflowed = self.loss_scale.unscale_(self.parameters())
+        overflowed = self.loss_scale.unscale_(self.parameters(), self.device or torch.device(self.device_type))
         self._after_closure(model, optimizer)
         self.loss_scale.update(overflowed)
         if overflowed:

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from zorse_lightning.engine.groups import backend_for
-from zorse_lightning.strategy.accelerator import resolve_accelerator
+from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 
 
@@ -40,7 +40,10 @@ class ProcessStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        return self.parallel_devices[self.local_rank]
+        device = self.parallel_devices[min(self.local_rank, len(self.parallel_devices) - 1)]
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", cuda_index_for(self.local_rank, torch.cuda.device_count()))
 
     @property
     def num_nodes(self) -> int:

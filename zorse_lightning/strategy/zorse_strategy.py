@@ -229,6 +229,7 @@ class ZorseStrategy(CheckpointHooks):
             self._precision, self.precision_plugin, gpu_types, self.root_device.type
         )
         plugin.parameters = lambda: self.engine.local_parameters()
+        plugin.device = self.root_device
         self.precision_plugin = plugin
 
     def _set_plan(self, plan: Plan) -> None:
