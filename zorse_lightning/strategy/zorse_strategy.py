@@ -36,7 +36,7 @@ from zorse_lightning.cluster.detection import check_detected_devices, local_devi
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
-from zorse_lightning.emulation.stage import StageEmulation
+from zorse_lightning.strategy.stage_emulation import StageEmulation
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups

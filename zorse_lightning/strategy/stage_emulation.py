@@ -1,4 +1,7 @@
-"""Emulating a rank's GPU type for what the rank runs of the plan (its stage, not the whole model)."""
+"""Emulating a rank's GPU type for what the rank runs of the plan (its stage, not the whole model).
+
+Strategy-side: it joins the engine's cut (which blocks this rank holds, where a stage begins and ends)
+to the emulation layer's emulator (built by :class:`~zorse_lightning.emulation.rank.RankEmulation`)."""
 
 from __future__ import annotations
 
