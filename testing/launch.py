@@ -66,10 +66,7 @@ def join_world(world_size: int, port: int) -> None:
     ``port``: a spawned run tries several cluster sizes in turn (ranks beyond the new size sit out)."""
     import os
 
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_world()
     os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
 
 
