@@ -16,6 +16,14 @@ raises :class:`RankLostError` with it (:meth:`Watchdog.explain`); a rank stuck
 inside a collective that never returns is ended by the watchdog itself (the
 message on stderr, exit status :data:`LOST_EXIT_STATUS`): a blocked C++ wait
 cannot be interrupted from Python.
+
+The watchdog decides without touching a device: beats and verdicts go through
+the store (host sockets), silence is measured on the host clock, and a stuck
+rank ends by ``os._exit``. Under NCCL a collective
+that the dead peer never joins blocks the CUDA stream, and anything queued
+behind it (a device-to-host copy, a synchronize) would never return; so what
+runs on its verdict must not touch the device either (survivors write host
+copies taken at step end: :mod:`zorse_lightning.strategy.fast_recovery`).
 """
 
 from __future__ import annotations

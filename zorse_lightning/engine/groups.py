@@ -3,7 +3,8 @@
 ``torch.distributed.new_group`` must be called by every rank, in the same order,
 for every group, including groups the rank is not in; :func:`build_groups` does
 so in an order derived from the plan alone. Every group gets the timeout, so a
-dead peer surfaces as an error on the survivors instead of a hang.
+dead peer surfaces as an error on the survivors instead of a hang; under NCCL
+that needs :func:`tear_down_hung_collectives` before the first group exists.
 
 Idle ranks (``Plan.idle_ranks``) are in no group of the plan: they take part only
 in the collectives every rank makes over the whole world (the loss, the log
@@ -13,6 +14,7 @@ never wait on a rank that holds none of its weights.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,6 +29,27 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 def backend_for(device: torch.device) -> str:
     """NCCL between GPUs, gloo between CPU processes."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+TEAR_DOWN_WITHOUT_ABORT = "3"
+
+
+def tear_down_hung_collectives(backend: str) -> None:
+    """Under NCCL, have a collective that fails or outlives its group's timeout end the process, unless the
+    user (or the launcher: torchrun sets 1) chose otherwise.
+
+    A NCCL collective that a dead peer never joins does not fail: its kernel waits on the CUDA stream, and
+    only this error handling, read by each NCCL process group as it is created (so before the first), turns
+    the timeout into an end (0 leaves it hanging). Value 3, torch's present default, set so that the run
+    does not depend on that default, ends the process without ``ncclCommAbort``: the abort can itself hang
+    when a peer died mid-collective (torch's note on the value), and releasing the waiting kernels (1, 2)
+    would let the aborted collective's partial result reach an optimizer step and a survivor's snapshot.
+    Survivors keep their state before that: the watchdog (:mod:`zorse_lightning.engine.faults`) declares a
+    silent peer lost well within the timeout (60 s against 10 min by default), and keeping reads only
+    host copies (:mod:`zorse_lightning.strategy.fast_recovery`)."""
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING, TEAR_DOWN_WITHOUT_ABORT)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,24 @@ A checkpoint is taken every few steps; a lost rank costs every step since. But
 the survivors still hold their stages' parameters and optimizer shards of the
 last completed step. Each rank therefore snapshots, at the end of every
 optimizer step, the small part of Lightning's checkpoint (loops, callbacks,
-optimizer hyper-parameters, data position: a few kilobytes, pickled, so that
-later changes do not reach it) and the in-place version counters of the tensors
-it holds, not the tensors: about 2 ms a step on 2 busy CPU cores (1 % of a
-190 ms step), no memory, no collective.
+optimizer hyper-parameters, data position: a few kilobytes, serialized with its
+tensors moved to the host, so that later changes do not reach it) and its
+held tensors, in one of two ways (:class:`SurvivorKeeper`):
+
+- held on the host (CPU ranks): their in-place version counters, not the
+  tensors: about 2 ms a step on 2 busy CPU cores (1 % of a 190 ms step), no
+  memory, no collective; keeping reads the tensors themselves, unless they moved
+  since the snapshot (the lost rank died inside an optimizer step: that state
+  belongs to no completed step);
+- held on a GPU: host copies, taken at step end into reused (pinned) buffers.
+  Under NCCL a collective that the dead peer never joins blocks the CUDA stream,
+  so a device-to-host copy at loss time would wait forever; keeping touches no
+  device tensor. This costs a device-to-host transfer of the held state each
+  step and twice its size in host memory.
+
 When the watchdog declares a rank lost, the rank writes its held state to local
 disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json`` index, each
-renamed into place) unless its tensors moved since the snapshot (the lost rank
-died inside an optimizer step: that state belongs to no completed step).
+renamed into place).
 
 On ``fit(ckpt_path=...)`` (:func:`load`) the relaunch, on the cluster as it is
 now, takes the newest step whose kept state covers every entry of the model and
@@ -27,9 +37,9 @@ survivors' generators belong to the old rank layout.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
-import pickle
 import sys
 import threading
 from collections.abc import Callable
@@ -41,6 +51,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zorse_lightning.engine.checkpoint_files import (
     COMMON,
@@ -50,6 +61,8 @@ from zorse_lightning.engine.checkpoint_files import (
 )
 from zorse_lightning.strategy.checkpoint_io import (
     NAMED_STATE_KEY,
+    _held_module_entries,
+    _held_optimizer_entries,
     all_gather,
     held_module_state,
     held_optimizer_state,
@@ -95,11 +108,82 @@ class RecoveryReport:
 
 
 @dataclass(frozen=True)
+class _HostCopy:
+    """A rank's held state of one step in host memory: the layout of ``{"state_dict": ..., "optimizers":
+    [...]}`` and its leaves, CPU tensors (buffers a later snapshot may refill) and copies of the rest."""
+
+    spec: TreeSpec
+    leaves: list[Any]
+
+    def fits(self, spec: TreeSpec, leaves: list[Any]) -> bool:
+        """Whether these buffers can take ``leaves`` in place: same layout, tensors of the same shapes and dtypes."""
+        return spec == self.spec and all(
+            not isinstance(new, torch.Tensor)
+            or (isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype)
+            for old, new in zip(self.leaves, leaves)
+        )
+
+    def held(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The module state and the optimizers' states, as ``held_module_state``/``held_optimizer_state`` give them."""
+        tree = tree_unflatten(self.leaves, self.spec)
+        return tree["state_dict"], tree["optimizers"]
+
+
+@dataclass(frozen=True)
 class _Snapshot:
     step: int
     common: bytes
-    """Lightning's checkpoint of the step without its tensors, pickled."""
+    """Lightning's checkpoint of the step without its tensors, by ``torch.save``: reading it back onto the CPU
+    touches no device (a monitored score may be a GPU tensor)."""
     versions: dict[int, int]
+    """Version counters of the held tensors (state on the host); empty when ``host`` holds copies."""
+    host: _HostCopy | None
+    """Host copies of the held state (state on a device)."""
+
+
+def _serialized(common: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(common, buffer)
+    return buffer.getvalue()
+
+
+def _deserialized(common: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(common), map_location="cpu", weights_only=False)
+
+
+def _lives_off_host(tensors: list[torch.Tensor]) -> bool:
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def _held_on_device(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What ``held_module_state`` and ``held_optimizer_state`` copy, not copied."""
+    return {"state_dict": _held_module_entries(module),
+            "optimizers": [_held_optimizer_entries(o, module) for o in optimizers]}
+
+
+def _host_buffer(value: Any) -> torch.Tensor | None:
+    """An empty host tensor for ``value`` (None for a non-tensor), pinned when CUDA is there (faster transfers)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
+
+
+def _copy_to_host(tree: dict[str, Any], spare: _HostCopy | None) -> _HostCopy:
+    """``tree`` copied to host memory, into ``spare``'s buffers when they fit (no allocation in steady state)."""
+    leaves, spec = tree_flatten(tree)
+    buffers = spare.leaves if spare is not None and spare.fits(spec, leaves) else [_host_buffer(v) for v in leaves]
+    copied = [
+        buffer.copy_(value.detach(), non_blocking=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for buffer, value in zip(buffers, leaves)
+    ]
+    _wait_for_copies(leaves)
+    return _HostCopy(spec, copied)
+
+
+def _wait_for_copies(sources: list[Any]) -> None:
+    """Copies into pinned memory run asynchronously: wait, once per device, until its stream has run them."""
+    for device in {v.device for v in sources if isinstance(v, torch.Tensor) and v.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -110,8 +194,8 @@ def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list
     return held
 
 
-def _versions(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[int, int]:
-    return {id(t): t._version for t in _tensors(module, optimizers)}
+def _versions(tensors: list[torch.Tensor]) -> dict[int, int]:
+    return {id(t): t._version for t in tensors}
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> None:
@@ -124,16 +208,40 @@ def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> No
 
 
 class SurvivorKeeper:
-    """One rank's snapshot of its last completed step, and the writing of its state when a rank is lost."""
+    """One rank's snapshot of its last completed step, and the writing of its state when a rank is lost.
 
-    def __init__(self) -> None:
+    Keeping may run while the main thread is stuck in a collective a lost peer never joins. Under NCCL
+    such a collective blocks the CUDA stream, and a device-to-host copy queued behind it would never
+    return: state on a device is therefore copied to the host at each step end, and keeping writes those
+    copies. State on the host cannot be blocked by a hung kernel, so there the snapshot records only
+    version counters (no copy, no memory) and keeping reads the tensors themselves if they have not moved.
+
+    Host copies alternate between two buffer sets, refilled in place: keeping may start while a snapshot
+    is copying (or while that copy waits behind a hung collective), and must then find the previous step
+    whole. Once keeping has started, snapshots stop, so the copies it writes are never refilled."""
+
+    def __init__(self, host_copies: bool | None = None) -> None:
+        """``host_copies``: whether snapshots copy the held state to host memory; None: exactly when some of it
+        lives off the host (on a GPU)."""
+        self._host_copies = host_copies
         self._snapshot: _Snapshot | None = None
+        self._spare: _HostCopy | None = None
         self._kept = False
         self._keeping = threading.Lock()
 
     def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> None:
         """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors."""
-        self._snapshot = _Snapshot(step, pickle.dumps(common, pickle.HIGHEST_PROTOCOL), _versions(module, optimizers))
+        if self._kept:
+            return
+        tensors = _tensors(module, optimizers)
+        copies = self._host_copies if self._host_copies is not None else _lives_off_host(tensors)
+        if not copies:
+            self._snapshot = _Snapshot(step, _serialized(common), _versions(tensors), None)
+            return
+        published = self._snapshot
+        host = _copy_to_host(_held_on_device(module, optimizers), self._spare)
+        self._snapshot = _Snapshot(step, _serialized(common), {}, host)
+        self._spare = published.host if published is not None else None
 
     def keep(self, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
         """Write this rank's state of the snapshot's step, once, from the main thread or the watchdog's.
@@ -148,20 +256,17 @@ class SurvivorKeeper:
             return self._write(self._snapshot, Path(directory), rank, module, optimizers)
 
     def _write(self, snap: _Snapshot, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
-        if _versions(module, optimizers) != snap.versions:
-            print(f"zorse: rank {rank} was inside the optimizer step after step {snap.step}: it keeps nothing",
-                  file=sys.stderr, flush=True)
+        held = snap.host.held() if snap.host is not None else _read_unmoved(snap, rank, module, optimizers)
+        if held is None:
             return None
+        state_dict, optimizer_states = held
         state = {
-            "format": FORMAT, "rank": rank, "step": snap.step, "common": pickle.loads(snap.common),
-            "state_dict": held_module_state(module),
-            "optimizers": [held_optimizer_state(o, module) for o in optimizers],
+            "format": FORMAT, "rank": rank, "step": snap.step, "common": _deserialized(snap.common),
+            "state_dict": state_dict, "optimizers": optimizer_states,
         }
-        if _versions(module, optimizers) != snap.versions:  # the main thread moved on while we copied
-            return None
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): n for n, p in module.named_parameters()}  # identities only: no tensor is read
         index = KeptIndex(
-            rank, snap.step, tuple(sorted(state["state_dict"])),
+            rank, snap.step, tuple(sorted(state_dict)),
             tuple(tuple(sorted(names[id(p)] for g in o.param_groups for p in g["params"])) for o in optimizers),
             path="",
         )
@@ -174,6 +279,21 @@ class SurvivorKeeper:
             print(f"zorse: rank {rank} could not keep its state in {target}: {error}", file=sys.stderr, flush=True)
             return None
         return target / f"rank-{rank}.pt"
+
+
+def _read_unmoved(
+    snap: _Snapshot, rank: int, module: nn.Module, optimizers: list
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The held state on the host, read now, if no tensor moved since the snapshot (else None: the state
+    belongs to no completed step)."""
+    if _versions(_tensors(module, optimizers)) != snap.versions:
+        print(f"zorse: rank {rank} was inside the optimizer step after step {snap.step}: it keeps nothing",
+              file=sys.stderr, flush=True)
+        return None
+    held = held_module_state(module), [held_optimizer_state(o, module) for o in optimizers]
+    if _versions(_tensors(module, optimizers)) != snap.versions:  # the main thread moved on while we copied
+        return None
+    return held
 
 
 def survivors_directory(policy: RecoveryPolicy, checkpoint_dir: str | Path) -> Path:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from zorse_lightning.engine.groups import backend_for
+from zorse_lightning.engine.groups import backend_for, tear_down_hung_collectives
 from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 
@@ -88,7 +88,9 @@ class ProcessStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        _init_dist_connection(self.cluster_environment, backend_for(self.root_device), timeout=self._timeout)
+        backend = backend_for(self.root_device)
+        tear_down_hung_collectives(backend)  # read by each NCCL group as it is created: before the first
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 
     # -- collectives Lightning asks for ----------------------------------------------------
 
