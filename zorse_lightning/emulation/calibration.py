@@ -28,6 +28,17 @@ def cost_key(name: str, signature: str) -> str:
     return f"{name}|{signature}"
 
 
+def as_every_block(costs: Mapping[str, CallCost], first: str, others: Iterable[str]) -> dict[str, CallCost]:
+    """``costs`` with module ``first``'s entries also under each name of ``others`` (blocks of one class,
+    calibrated on the first alone while the others passed their input through)."""
+    spread = dict(costs)
+    for key, cost in costs.items():
+        name, _, signature = key.partition("|")
+        if name == first:
+            spread.update((cost_key(other, signature), cost) for other in others)
+    return spread
+
+
 def min_costs(gathered: Iterable[Mapping[str, CallCost] | None]) -> dict[str, CallCost]:
     """Per key, the minimum forward and backward cost over several ranks' calibrations."""
     merged: dict[str, CallCost] = {}

@@ -174,16 +174,20 @@ class ComputeEmulator:
     made identical on every rank with :meth:`agree_costs`.
     """
 
-    def __init__(self, spec: EmulationSpec, rank: int | None = None, costs: Mapping[str, CallCost] | None = None) -> None:
-        """``costs``: calibrated costs to use (from :func:`calibrate_in_turn`); others are calibrated at first use."""
+    def __init__(
+        self, spec: EmulationSpec, rank: int | None = None, costs: Mapping[str, CallCost] | None = None,
+        meter: MemoryMeter | None = None,
+    ) -> None:
+        """``costs``: calibrated costs to use (from :func:`calibrate_in_turn`); others are calibrated at first use.
+        ``meter``: the rank's meter, shared with its other emulators (default: this emulator's own)."""
         self.spec = spec
         self.rank = rank
         self._costs: dict[str, CallCost] = dict(costs or {})
         self._handles: list[RemovableHandle] = []
         self._modules: tuple[nn.Module, ...] = ()
         self._counters = _Counters()
-        self._memory = MemoryMeter()
-        self._memory_tracked = False
+        self._memory = meter or MemoryMeter()
+        self._memory_tracked = self._memory.is_tracking
         self.batch_samples: int | None = None
         """Samples of the step (or microbatch) now running, set by whoever runs it: a call whose first
         input's dim 0 differs is charged once per call, not per sample (:func:`batch_size_and_signature`).

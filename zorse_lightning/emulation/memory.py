@@ -107,6 +107,10 @@ class MemoryMeter:
         self.peak_bytes = 0
         self.peak_breakdown: MemoryBreakdown | None = None
 
+    @property
+    def is_tracking(self) -> bool:
+        return bool(self._modules)
+
     def track(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self._modules = tuple(modules)
         self._optimizers = tuple(optimizers)

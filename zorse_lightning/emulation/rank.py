@@ -9,7 +9,7 @@ built it in four places, and the step-edge probe ignored ``emulation_slowdown``)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -21,6 +21,7 @@ from zorse_lightning.emulation.emulator import (
     emulation_spec_for_rank,
     named_emulated_modules,
 )
+from zorse_lightning.emulation.memory import MemoryMeter
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import ZorseUserError
 
@@ -33,6 +34,9 @@ class RankEmulation:
     inventory: ClusterInventory
     rank: int
     fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN
+    meter: MemoryMeter = field(default_factory=MemoryMeter, compare=False, repr=False)
+    """The rank's one memory meter: every emulator made here counts into it, so its peak spans the run from
+    the moment the strategy tracks the module (start-up profiling included), not one emulator's life."""
 
     def __post_init__(self) -> None:
         self.check_slowdown(self.fastest_slowdown)
@@ -52,7 +56,7 @@ class RankEmulation:
 
     def emulator(self, costs: Mapping[str, CallCost] | None = None) -> ComputeEmulator:
         """A fresh emulator of this rank, on ``costs`` where given (else calibrated at first use)."""
-        return ComputeEmulator(self.spec, rank=self.rank, costs=costs)
+        return ComputeEmulator(self.spec, rank=self.rank, costs=costs, meter=self.meter)
 
     def instrumented(
         self, root: nn.Module, costs: Mapping[str, CallCost] | None = None,

@@ -137,6 +137,15 @@ class StageCut:
     def is_local(self, param: nn.Parameter) -> bool:
         return self.stage_index in self.holders.get(id(param), frozenset())
 
+    def holds_buffers_of(self, module_name: str) -> bool:
+        """Whether this stage keeps the buffers of the named module: all but those of other stages' blocks."""
+        start, end = self.stage.layers
+        prefix = f"{self.blocks.path}."
+        if not module_name.startswith(prefix):
+            return True
+        index = list(self.blocks.container._modules).index(module_name[len(prefix):].split(".")[0])
+        return start <= index < end
+
     def apply(self) -> None:
         """Free other stages' weights and patch the forwards (once, before training)."""
         release_parameters(self.root, self.is_local)

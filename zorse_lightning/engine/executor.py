@@ -15,6 +15,7 @@ the loss, the global gradient norm.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport
 from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
+from zorse_lightning.module.first_block import first_block_view
+from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, place_on_device
 from zorse_lightning.planner.schedule import ActionKind, build_schedule
 from zorse_lightning.engine.sharding import OptimizerShards, restrict_optimizer
 
@@ -52,11 +55,21 @@ def _holds_loss(output: Any) -> bool:
     return isinstance(loss, torch.Tensor) and loss.dim() == 0
 
 
+def host_group() -> Any:
+    """A group for host tensors over all ranks: the default one where it is gloo, else a new gloo group
+    (NCCL carries only device tensors). Collective: every rank calls it."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
 @torch.no_grad()
-def broadcast_module(module: nn.Module, src: int = 0) -> None:
-    """Give every rank ``src``'s weights (random init differs per process; pretrained weights too)."""
+def broadcast_module(module: nn.Module, group: Any = None, src: int = 0) -> None:
+    """Give every rank ``src``'s weights (random init differs per process; pretrained weights too).
+
+    The module is still on the host (only the stage reaches the device, after the
+    cut), so this goes over a group for host tensors (:func:`host_group`).
+    """
     for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=src)
+        dist.broadcast(tensor.data, src=src, group=group)
 
 
 class PipelineEngine:
@@ -69,8 +82,12 @@ class PipelineEngine:
         device: torch.device,
         block_path: str | None = None,
         gradient_bucket_bytes: int = gradients.BUCKET_BYTES,
+        initial: InitialValues = InitialValues(),
     ):
+        """``initial``: the first values of what this rank places on ``device`` where the module was built on
+        the meta device (or the state a resumed checkpoint holds)."""
         self.module = module
+        self.initial = initial
         self.gradient_bucket_bytes = gradient_bucket_bytes
         self.groups = groups
         self.plan = groups.plan
@@ -83,6 +100,9 @@ class PipelineEngine:
         self.shards: OptimizerShards | None = None
         self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
+        self._replaced: dict[int, nn.Parameter] = {}
+        """Parameters given a new tensor on the device at :meth:`prepare` (old id -> new): optimizers made
+        before it still name the old ones."""
         self._prepared = False
 
     # -- preparation --------------------------------------------------------------------
@@ -101,8 +121,12 @@ class PipelineEngine:
         return self.groups.stage.microbatch_ranges()[self.groups.rank]
 
     def prepare(self, batch: Any, step_fn: StepFn) -> None:
-        """Probe the module on this rank's first microbatch, then cut it (collective, once); an idle rank
-        joins the probe's agreement, then frees its whole copy of the module."""
+        """Probe the module on this rank's first microbatch, cut it and put the stage on the device
+        (collective, once); an idle rank joins the probe's agreement, then frees its whole copy of the module.
+
+        Only the stage reaches the device: tensors built on the meta device are
+        materialized there, host tensors moved; the rest stays meta (no memory).
+        """
         if self.is_pipelined:
             blocks = find_block_list(self.module, self.block_path)
             analysis = self._agreed_analysis(blocks, batch, step_fn)
@@ -115,6 +139,8 @@ class PipelineEngine:
         else:
             everyone = frozenset({0})
             self._holders = {id(p): everyone for p in self.module.parameters()}
+        if not self.groups.is_idle:
+            self._place_stage()
         if not self.groups.is_idle and self.groups.stage.sharding is not Sharding.NONE:
             self.shards = OptimizerShards(self.local_parameters(), self.groups)
         self.reduction = gradients.OverlappedReduction(
@@ -122,13 +148,34 @@ class PipelineEngine:
         )
         self._prepared = True
 
+    def _place_stage(self) -> None:
+        def wanted(name: str, tensor: torch.Tensor) -> bool:
+            if isinstance(tensor, nn.Parameter):
+                return self.groups.stage_index in self._holders.get(id(tensor), ())
+            return self.cut is None or self.cut.holds_buffers_of(name)
+
+        swaps = place_on_device(self.module, self.device, wanted, self.initial)
+        for swap in swaps:
+            if swap.is_parameter and id(swap.old) in self._holders:
+                self._holders[id(swap.new)] = self._holders.pop(id(swap.old))
+                self._replaced[id(swap.old)] = swap.new
+
+    def _whole_fits_probe(self) -> bool:
+        """Whether the probe may run the whole module: already real on this device (an eager module on a CPU
+        rank); else it runs with one real block (:func:`first_block_view`)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        return not has_meta_tensors(self.module) and all(t.device == self.device for t in tensors)
+
     def _agreed_analysis(self, blocks: BlockList, batch: Any, step_fn: StepFn) -> CutAnalysis:
         mine = None
         share = self._my_share()
         if len(share):
             micro = microbatch_slice(batch, 0, self.plan.microbatch_size)
             devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
+            view = nullcontext() if self._whole_fits_probe() else first_block_view(
+                self.module, blocks, self.device, self.initial.seed
+            )
+            with torch.random.fork_rng(devices=devices), view:
                 mine = probe_cut(self.module, blocks, lambda: loss_of(step_fn(micro, share.start)))
         analyses: list[CutAnalysis | None] = [None] * self.plan.world_size
         dist.all_gather_object(analyses, mine)
@@ -149,6 +196,8 @@ class PipelineEngine:
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep in ``optimizer`` only what this rank steps: its stage's weights, or its shard of them."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
         restrict_optimizer(optimizer, self.shards.mine if self.shards else self.local_parameters())
 
     # -- one step -----------------------------------------------------------------------

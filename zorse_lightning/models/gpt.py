@@ -74,6 +74,13 @@ class GPT(pl.LightningModule):
                 # GPT-2: scale residual projections by depth so activations do not grow with it.
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * layers))
 
+    def initialize_weights(self, name: str, module: nn.Module) -> None:
+        """The same rules for one submodule, as a model built on the meta device is initialised (one stream
+        per submodule: see ``zorse_lightning.module.materialize``); the values differ from an eager build's."""
+        self._init_weights(module)
+        if isinstance(module, nn.Linear) and (name.endswith("proj") or name.endswith("mlp.2")):
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.hparams.layers))
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

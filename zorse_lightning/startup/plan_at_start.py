@@ -1,6 +1,9 @@
 """Start-up as one pass: the user's step and the cluster in, a :class:`StartupResult` out.
 
-Every rank calls :func:`run_startup` with the first batch (on its device):
+Every rank calls :func:`run_startup` with the first batch (on its device). The
+step runs with block 0 the only real block (:mod:`~zorse_lightning.module.first_block`):
+the device holds the edges and one block, never the whole model, and nothing
+is left on it after.
 
 1. on an emulated cluster, every rank calibrates the CPU cost of the model's
    modules in turn, and all keep the minimum (the run's emulation reuses them);
@@ -28,13 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.emulation.calibration import calibrate_in_turn
-from zorse_lightning.emulation.emulator import named_emulated_modules
+from zorse_lightning.emulation.calibration import as_every_block, calibrate_in_turn
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
 from zorse_lightning.module.capture import edge_parameter_ids, first_block_input
+from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.baselines import unprofiled_data_parallel
 from zorse_lightning.planner.options import PlannerOptions
@@ -43,7 +46,7 @@ from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling.measure import assemble_profile
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
 from zorse_lightning.startup.link_probe import probe_bytes, probe_machines, with_measured_rates
-from zorse_lightning.startup.type_profile import PROFILE_OPTIONS, measure_type_profile
+from zorse_lightning.startup.type_profile import PROFILE_OPTIONS, block_names, measure_type_profile, view_modules
 
 MANUAL_OPTIMIZATION_REASON = (
     "the module optimises by hand (automatic_optimization=False), so the engine cannot own its backward and "
@@ -69,6 +72,8 @@ class StartupInputs:
     emulation: RankEmulation | None = None
     """This rank's emulation of its GPU type; None on real devices."""
     automatic_optimization: bool = True
+    init_seed: int = 0
+    """Seed of the values a module built on the meta device gets (:mod:`~zorse_lightning.module.materialize`)."""
 
 
 @dataclass(frozen=True)
@@ -151,16 +156,22 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         with torch.no_grad():
             return run_step(microbatch_slice(batch, 0, 1))
 
-    example = first_block_input(blocks.blocks[0], one_sample)
-    costs = None
-    if inputs.emulation is not None:
-        costs = calibrate_in_turn(named_emulated_modules(inputs.module, blocks.path), one_sample, batch_samples=1)
-    mine = None
-    if _first_of_its_type(inventory, inputs.rank):
-        gpu_type = inventory.gpus[inputs.rank].gpu_type.name
-        mine = measure_type_profile(
-            inputs.module, blocks, example, batch, run_step, inputs.device, gpu_type, inputs.emulation, costs
-        )
+    with first_block_view(inputs.module, blocks, inputs.device, inputs.init_seed):
+        if inputs.emulation is not None:
+            inputs.emulation.meter.measure()  # the view's tensors are new: count them before its first call
+        example = first_block_input(blocks.blocks[0], one_sample)
+        costs = None
+        if inputs.emulation is not None:
+            calibrated = calibrate_in_turn(view_modules(inputs.module, blocks), one_sample, batch_samples=1)
+            names = block_names(blocks)
+            costs = as_every_block(calibrated, names[0], names[1:])
+        mine = None
+        if _first_of_its_type(inventory, inputs.rank):
+            gpu_type = inventory.gpus[inputs.rank].gpu_type.name
+            mine = measure_type_profile(
+                inputs.module, blocks, example, batch, run_step, inputs.device, gpu_type, inputs.emulation, costs
+            )
+        edges = _edge_shapes(inputs.module, blocks, one_sample, example) if inputs.rank == 0 else None
     measured: list[Any] = [None] * inputs.world_size
     dist.all_gather_object(measured, mine)
     probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module))
@@ -168,7 +179,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         box: list[Any] = [None]
         dist.broadcast_object_list(box, 0)
         return StartupResult(box[0], costs)
-    embedding, head, tied = _edge_shapes(inputs.module, blocks, one_sample, example)
+    embedding, head, tied = edges
     profile = assemble_profile(
         [m for m in measured if m is not None], model=type(inputs.module).__name__, tied_embedding_head=tied
     )

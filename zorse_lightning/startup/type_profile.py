@@ -1,6 +1,8 @@
 """One GPU type's profile, measured at start by the first rank of that type on its own device.
 
-The blocks are timed on a copy (so the run's modules keep no profiling state),
+Block 0 stands for every block (one list holds one class, and start-up runs
+the step with only block 0 real: :mod:`~zorse_lightning.module.first_block`);
+it is timed in place (its gradients are put back after),
 then what a step spends outside them (embedding, head, loss: :mod:`.step_costs`)
 and the optimizer's rate. On an emulated cluster every measurement goes through
 the rank's emulator on the costs calibrated once for the whole run: every type
@@ -10,7 +12,6 @@ their speed ratios, and the run's emulation charges what was profiled.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,8 +30,22 @@ PROFILE_OPTIONS = MeasureOptions(max_microbatch_size=2, warmup=1, repeats=3)
 """Short: profiling runs at every start; the planner needs the slope per sample more than precision."""
 
 
-def _block_names(blocks: BlockList) -> list[str]:
+def block_names(blocks: BlockList) -> list[str]:
+    """Each block's name in the whole model (what calibrated costs are keyed by)."""
     return [f"{blocks.path}.{name}" for name, _ in blocks.container.named_children()]
+
+
+def view_modules(root: torch.nn.Module, blocks: BlockList) -> list[tuple[str, torch.nn.Module]]:
+    """The emulated modules that compute in the first-block view: all but blocks 1.. (they pass through)."""
+    later = {id(b) for b in blocks.blocks[1:]}
+    return [(n, m) for n, m in named_emulated_modules(root, blocks.path) if id(m) not in later]
+
+
+def _as_every_block(measured: MeasuredBlocks, count: int) -> MeasuredBlocks:
+    """Block 0's measurement repeated for each of ``count`` blocks."""
+    times = replace(measured.times, layers=measured.times.layers * count)
+    layers = tuple(replace(measured.layers[0], name=f"layer{i}") for i in range(count))
+    return replace(measured, layers=layers, times=times)
 
 
 def measure_type_profile(
@@ -47,14 +62,12 @@ def measure_type_profile(
     """Blocks, step edges and optimizer rate of this rank's GPU type (through ``emulation`` where given).
 
     ``run_step(microbatch)`` runs the user's training step without gradients;
-    ``example`` is one sample of the first block's input.
+    ``example`` is one sample of the first block's input. Runs inside the first-block view.
     """
-    measured_blocks = copy.deepcopy(blocks.blocks)
+    measured_blocks = blocks.blocks[:1]  # measure_blocks puts back the gradients it made
     emulator = None
     if emulation is not None:
-        emulator = emulation.instrumented(
-            root, costs, named=list(zip(_block_names(blocks), measured_blocks))
-        )
+        emulator = emulation.instrumented(root, costs, named=[(block_names(blocks)[0], measured_blocks[0])])
     try:
         measured = measure_blocks(
             measured_blocks, example, device=device, gpu_type=gpu_type,
@@ -64,8 +77,7 @@ def measure_type_profile(
         if emulator is not None:
             emulator.remove()
 
-    whole = named_emulated_modules(root, blocks.path)
-    step_emulator = emulation.instrumented(root, costs, named=whole) if emulation is not None else None
+    step_emulator = emulation.instrumented(root, costs, named=view_modules(root, blocks)) if emulation is not None else None
 
     def step(micro: Any) -> Any:
         if step_emulator is not None:
@@ -84,4 +96,4 @@ def measure_type_profile(
         measured.times, embedding=edges.embedding, head=edges.head,
         optimizer_ms_per_million_parameters=measure_optimizer_ms_per_million_parameters(device),
     )
-    return replace(measured, times=times)
+    return _as_every_block(replace(measured, times=times), len(blocks))

@@ -9,6 +9,7 @@ as one job; the state these hooks share with training lives in :class:`ResumeSta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from typing_extensions import override
 
 from zorse_lightning.engine.faults import Watchdog
+from zorse_lightning.module.materialize import has_meta_tensors
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.strategy import checkpoint_io, fast_recovery
 from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SurvivorKeeper
@@ -36,6 +38,8 @@ class ResumeState:
     """The resumed checkpoint's global batch size: a plan made at start keeps it (same data order)."""
     pending_optimizer_states: list[dict[str, Any]] = field(default_factory=list)
     """Applied once the optimizers are restricted to this rank's weights."""
+    pending_module_state: dict[str, Any] | None = None
+    """A checkpoint's weights for a module built on the meta device: read into the stage as it is placed."""
 
     def train_loader(self, sampler: PlanBatchSampler) -> None:
         """A new training loader continues at the position (a reload, at an epoch start, too)."""
@@ -101,6 +105,15 @@ class CheckpointHooks(ProcessStrategy):
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A module built on the meta device has no memory to load into: its stage reads the checkpoint's
+        weights when it reaches the device (``InitialValues.weights``)."""
+        if has_meta_tensors(self.lightning_module):
+            self._resume.pending_module_state = dict(checkpoint["state_dict"])
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:

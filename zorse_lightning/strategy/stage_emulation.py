@@ -43,6 +43,7 @@ class StageEmulation:
         if engine.cut is not None:
             boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
         emulator.track_memory(module, optimizers)
+        emulator.check_memory()  # the stage as placed on the device, before its first step
         return cls(emulator, boundaries)
 
     def after_step(self) -> None:

@@ -38,7 +38,7 @@ def quiet_training_step(module: Any):
 def startup_inputs(
     module: Any, inventory: ClusterInventory | None, loader: DataLoader, rank: int, world_size: int,
     device: torch.device, resumed_global_batch_size: int | None, options: PlannerOptions, block_path: str | None,
-    emulation: RankEmulation | None,
+    emulation: RankEmulation | None, init_seed: int = 0,
 ) -> StartupInputs:
     """The pass's inputs, checked: a cluster to plan on and a loader with a batch size.
 
@@ -53,7 +53,7 @@ def startup_inputs(
         module=module, inventory=inventory, rank=rank, world_size=world_size, device=device,
         global_batch_size=resumed_global_batch_size or loader.batch_size * world_size,
         planner_options=options, block_path=block_path, emulation=emulation,
-        automatic_optimization=module.automatic_optimization,
+        automatic_optimization=module.automatic_optimization, init_seed=init_seed,
     )
 
 

@@ -16,6 +16,8 @@ emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
@@ -37,7 +39,9 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.strategy.stage_emulation import StageEmulation
-from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.executor import PipelineEngine, broadcast_module, host_group
+from zorse_lightning.module.materialize import InitialValues, has_meta_tensors
+from zorse_lightning.module.stage_weights import WeightSource
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
 from zorse_lightning.planner.options import PlannerOptions
@@ -77,7 +81,13 @@ class ZorseStrategy(CheckpointHooks):
             prices what runs; with a given ``plan`` it must match the plan's schedule.
         block_path: attribute path of the block list (``"model.layers"``); None: the longest list of
             same-class modules.
-        seed: of the sampler's shuffling (the order of global batches, whatever the plan).
+        weights: pretrained weights each rank reads only its stage's tensors from (a state dict, a
+            ``.safetensors`` file, a sharded ``*.index.json`` or its directory, a torch or Lightning checkpoint
+            file), into a module built on the meta device (``configure_model``, ``init_module(empty_init=True)``).
+        weights_prefix: module name = prefix + name in ``weights`` (``"model."`` for a Hugging Face model held as
+            ``self.model``); None: detected.
+        seed: of the sampler's shuffling (the order of global batches, whatever the plan), and of the initial
+            values of a module built on the meta device (``configure_model``, ``init_module(empty_init=True)``).
         precision: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU) or one
             of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         emulate: CPU ranks emulate their GPU types (speed and memory); None: when the cluster is emulated.
@@ -102,6 +112,8 @@ class ZorseStrategy(CheckpointHooks):
         planner_options: PlannerOptions | None = None,
         schedule: str | None = None,
         block_path: str | None = None,
+        weights: WeightSource | Mapping[str, torch.Tensor] | str | Path | None = None,
+        weights_prefix: str | None = None,
         seed: int = 0,
         precision: PrecisionName = "auto",
         emulate: bool | None = None,
@@ -128,6 +140,8 @@ class ZorseStrategy(CheckpointHooks):
         self._precision = precision
         self._precision_choice: PrecisionChoice | None = None
         self.block_path = block_path
+        self._weights = WeightSource(weights) if weights is not None else None
+        self._weights_prefix = weights_prefix
         self.seed = seed
         self._emulate = emulate
         self._timeout = timeout
@@ -145,6 +159,7 @@ class ZorseStrategy(CheckpointHooks):
         self._watchdog = None
         self._engine: PipelineEngine | None = None
         self._emulation: StageEmulation | None = None
+        self._rank_emu: RankEmulation | None = None
         self._clip_patched = False
         self._log_mergers: dict[str, LogMerger] = {}
         """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
@@ -203,15 +218,18 @@ class ZorseStrategy(CheckpointHooks):
         quiet_merged_metric_advice()
         self._set_precision()
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        emulation = self._rank_emulation()
+        if emulation is not None:  # the memory the module holds counts from here (none, when built on meta)
+            emulation.meter.track((self.lightning_module,))
+            emulation.meter.measure()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._patch_clipping()
         if self._recovery.enabled and not any(isinstance(c, SnapshotEachStep) for c in trainer.callbacks):
             trainer.callbacks.insert(0, SnapshotEachStep(self._snapshot_for_recovery))
-        if self._engine is None:
-            broadcast_module(self.lightning_module)
+        if self._engine is None and not has_meta_tensors(self.lightning_module):
+            broadcast_module(self.lightning_module, host_group())
             if self._plan_source is not None:
                 plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
                 check_schedule(plan, self._planner_options)
@@ -245,19 +263,48 @@ class ZorseStrategy(CheckpointHooks):
         self._watchdog = start_watchdog(
             self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
         )
-        self._engine = PipelineEngine(self.lightning_module, groups, self.root_device, self.block_path)
+        self._engine = PipelineEngine(
+            self.lightning_module, groups, self.root_device, self.block_path,
+            initial=self._initial_values(),
+        )
         if not self.lightning_module.automatic_optimization:
             self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin)
 
+    def _initial_values(self) -> InitialValues:
+        """A resumed checkpoint's weights (names as the module's own), else the pretrained ``weights`` given."""
+        if self._resume.pending_module_state is not None:
+            return InitialValues(self.seed, self._resume.pending_module_state, weights_prefix="")
+        return InitialValues(self.seed, self._weights, self._weights_prefix)
+
     @override
     def model_to_device(self) -> None:
-        # Once cut, other stages' weights are meta tensors (no data, nothing to move).
-        self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        """Nothing moves before the cut: the engine puts this rank's stage on the device and nothing else."""
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()``: on the host (the engine moves only the stage to the device); with
+        ``empty_init=True`` on the meta device: no rank ever holds the whole model, and each materializes its
+        stage after planning (values: ``zorse_lightning.module.materialize``; or a checkpoint's, on resume)."""
+        with torch.device("meta" if empty_init else "cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` builds on the meta device, as under ``init_module(empty_init=True)``."""
+        with torch.device("meta"):
+            yield
 
     # -- start-up and data -----------------------------------------------------------------
 
     def _rank_emulation(self) -> RankEmulation | None:
-        return rank_emulation(self.inventory, self._emulate, self.root_device, self.global_rank, self.emulation_slowdown)
+        """This rank's emulation, made once: its memory meter counts from setup to the end of the run."""
+        if self._rank_emu is None:
+            self._rank_emu = rank_emulation(
+                self.inventory, self._emulate, self.root_device, self.global_rank, self.emulation_slowdown
+            )
+        return self._rank_emu
 
     def _plan_at_start(self, loader: DataLoader) -> Plan:
         """Start-up on the training loader (its batch size makes the global batch), with gradients on.
@@ -272,6 +319,7 @@ class ZorseStrategy(CheckpointHooks):
         inputs = startup_inputs(
             self.lightning_module, self.inventory, loader, self.global_rank, self.world_size, self.root_device,
             self._resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
+            self.seed,
         )
         with torch.inference_mode(False), torch.enable_grad():
             batch = self.batch_to_device(next(iter(loader)))
