@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -60,6 +60,8 @@ from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.options import PlannerOptions
 from testing.launch import spawn_ranks
+
+UNLIMITED_BYTES = 1 << 50
 
 CLUSTERS = ("cpu_sim2", "cpu_sim2_1to5", "cpu_sim4")
 """2 ranks at 1 : 2.5 and 1 : 4.8, 4 ranks at 1 : 2.5 : 4.8 : 4.8."""
@@ -215,7 +217,8 @@ def run_cluster(cluster: str, config: BenchConfig, ddp: bool = True) -> dict:
 
 
 def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallCost]) -> dict[str, float]:
-    """Per GPU type: samples/s of one process training the whole model alone at that type's speed.
+    """Per GPU type: samples/s of one process training the whole model alone at that type's speed, memory
+    unlimited (``config``: anything with ``model()``, ``dataset(n)``, ``per_rank_batch``, ``solo_steps``).
 
     On the run's calibrated ``costs`` (keyed by module name), so the types' rates
     differ by their slowdowns alone and match the speeds the run emulated.
@@ -233,7 +236,8 @@ def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallC
     inputs, targets = config.dataset(1)[: config.per_rank_batch]
     rates = {}
     for name, rank in first_of_type.items():
-        emulator.spec = emulation_spec_for_rank(inventory, rank)
+        # The ideal is each type's rate with memory unlimited: the whole model on one GPU of the type.
+        emulator.spec = replace(emulation_spec_for_rank(inventory, rank), memory_budget_bytes=UNLIMITED_BYTES)
         step_s = []
         for _ in range(1 + config.solo_steps):
             start = time.perf_counter()

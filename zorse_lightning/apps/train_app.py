@@ -5,6 +5,7 @@ Outputs: ``plan.json``, ``timeline.png``, metrics (CSV and TensorBoard) and chec
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -61,11 +62,11 @@ def _run(cfg: DictConfig) -> None:
         _confine_children_to_this_job(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     inventory = inventory_from_config(cfg.cluster)
-    model = instantiate(cfg.model)
     data = instantiate(cfg.data)
     options = planner_options_from_config(cfg.planner)
     strategy = ZorseStrategy(
-        cluster=inventory, plan=cfg.plan, planner_options=options, block_path=cfg.block_path, seed=cfg.seed
+        cluster=inventory, plan=cfg.plan, planner_options=options, block_path=cfg.block_path, seed=cfg.seed,
+        weights=cfg.weights, weights_prefix=cfg.weights_prefix,
     )
     throughput = SamplesPerSecond()
     trainer = pl.Trainer(
@@ -77,6 +78,8 @@ def _run(cfg: DictConfig) -> None:
         callbacks=[ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True), throughput],
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
+    with trainer.init_module(empty_init=True) if cfg.empty_init else nullcontext():
+        model = instantiate(cfg.model)
     trainer.fit(model, datamodule=data, ckpt_path=cfg.checkpoint)
     if trainer.is_global_zero:
         _write_plan_outputs(strategy, output_dir)

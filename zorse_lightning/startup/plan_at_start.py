@@ -158,7 +158,10 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
 
     with first_block_view(inputs.module, blocks, inputs.device, inputs.init_seed):
         if inputs.emulation is not None:
-            inputs.emulation.meter.measure()  # the view's tensors are new: count them before its first call
+            meter = inputs.emulation.meter
+            if not meter.is_tracking:  # a module built on the host: the device holds what the view made real
+                meter.track([m for _, m in view_modules(inputs.module, blocks)])
+            meter.measure()  # the view's tensors are new: count them before its first call
         example = first_block_input(blocks.blocks[0], one_sample)
         costs = None
         if inputs.emulation is not None:

@@ -219,7 +219,9 @@ class ZorseStrategy(CheckpointHooks):
         self._set_precision()
         self.precision_plugin.convert_module(self.model)
         emulation = self._rank_emulation()
-        if emulation is not None:  # the memory the module holds counts from here (none, when built on meta)
+        if emulation is not None and has_meta_tensors(self.lightning_module):
+            # Its memory counts from here: none, then what start-up and the stage materialize. A module built on
+            # the host is host memory until its stage is placed (on a CPU rank the two cannot be told apart).
             emulation.meter.track((self.lightning_module,))
             emulation.meter.measure()
         if trainer.state.fn == TrainerFn.FITTING:
