@@ -42,7 +42,7 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
         table.add_column(column, no_wrap=column in ("GPUs", "ranks"))
     for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
         memory = [
-            f"{bytes_to_gib(m.total_bytes):.2f}/{ctx.inventory.gpus[r].memory_gib:g}" for r, m in zip(stage.ranks, stage_cost.memory)
+            f"{bytes_to_gib(m.total_bytes):.3g}/{ctx.inventory.gpus[r].memory_gib:g}" for r, m in zip(stage.ranks, stage_cost.memory)
         ]
         times = [f"{t.total_ms:.1f}" for t in stage_cost.times]
         table.add_row(

@@ -181,6 +181,8 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     if inputs.rank != 0:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, 0)
+        if isinstance(box[0], PlanningError):  # every rank stops with rank 0's reason, not a lost connection
+            raise box[0]
         return StartupResult(box[0], costs)
     embedding, head, tied = edges
     profile = assemble_profile(
@@ -188,7 +190,11 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     )
     profile = replace(profile, embedding=embedding, head=head)
     planned_on = with_measured_rates(inventory, probes)
-    plan = make_plan(planned_on, profile, inputs.global_batch_size, options)
+    try:
+        plan = make_plan(planned_on, profile, inputs.global_batch_size, options)
+    except PlanningError as error:
+        dist.broadcast_object_list([error], 0)
+        raise
     notes = (*(p.note() for p in probes if p.slower_than_configured), *([size_note] if size_note else []))
     plan = replace(plan, notes=(*plan.notes, *notes))
     dist.broadcast_object_list([plan], 0)
