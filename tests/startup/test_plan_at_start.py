@@ -11,7 +11,8 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.module.blocks import find_block_list
-from zorse_lightning.module.capture import first_block_input
+from zorse_lightning.module.capture import first_block_call
+from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
 from zorse_lightning.startup.plan_at_start import within_profiled_sizes
@@ -49,10 +50,10 @@ def test_blocks_and_edges_are_timed_through_the_one_emulation_given(monkeypatch)
     blocks = find_block_list(model)
     batch = (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
     step = quiet_training_step(model)
-    example = first_block_input(blocks.blocks[0], lambda: step(batch))
+    calls = [first_block_call(blocks.blocks[0], lambda: step(microbatch_slice(batch, 0, size))) for size in (1, 2)]
     emulation = RankEmulation(load_cluster("cpu_sim2"), rank=1, fastest_slowdown=5.0)
     measured = type_profile.measure_type_profile(
-        model, blocks, example[:1], batch, step, torch.device("cpu"),
+        model, blocks, calls, batch, step, torch.device("cpu"),
         "v100x16", emulation, costs=None,
     )
     assert built == [emulation, emulation]

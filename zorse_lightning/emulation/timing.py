@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zorse_lightning.module.call_inputs import flatten_tensors, fresh_side_state, replace_tensors
+
 CALIBRATION_REPEATS = 3
 """Timed runs per calibration after one warm-up; the minimum is kept (least disturbed by other ranks)."""
 
@@ -57,31 +59,6 @@ class BackwardWindow:
     has_end_marker: bool = False
     """False when no input requires grad: then ``on_end`` runs at the start, as the best available point."""
     start: float | None = None
-
-
-def flatten_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors inside nested tuples, lists and dicts, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in flatten_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for value in obj.values() for t in flatten_tensors(value)]
-    return []
-
-
-def replace_tensors(obj: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with each tensor ``t`` replaced by ``replace(t)``, containers rebuilt (named tuples too)."""
-    if isinstance(obj, torch.Tensor):
-        return replace(obj)
-    if isinstance(obj, tuple):
-        items = [replace_tensors(item, replace) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [replace_tensors(item, replace) for item in obj]
-    if isinstance(obj, dict):
-        return type(obj)((key, replace_tensors(value, replace)) for key, value in obj.items())
-    return obj
 
 
 def wrap_for_backward(obj: Any, marker: type[torch.autograd.Function], window: BackwardWindow) -> tuple[Any, int]:
@@ -161,7 +138,9 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | 
     (``samples`` None: on this input as it is, for a cost per call), without side effects on training.
 
     Tensors whose dim 0 is the call's ``samples`` are cut or repeated to the
-    fixed size (others, such as masks shared by the batch, are kept). Runs on detached copies of the inputs, takes gradients with
+    fixed size (others, such as masks shared by the batch, are kept). Runs on detached copies of the inputs
+    (a stateful one, such as a key/value cache a layer appends to, copied afresh for every run, so the real
+    call's never changes and no run reaches another's graph), takes gradients with
     ``torch.autograd.grad`` (nothing accumulates into ``.grad``), restores the
     RNG state (dropout masks of the real call are unchanged) and the buffers
     (batch-norm statistics), and works even when called under ``no_grad`` or
@@ -175,8 +154,9 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | 
         leaves += [p for p in module.parameters() if p.requires_grad]
         forward_s, backward_s = [], []
         for _ in range(CALIBRATION_REPEATS + 1):
+            call_args, call_kwargs = fresh_side_state(inputs)
             start = time.perf_counter()
-            outputs = [t for t in flatten_tensors(module.forward(*inputs[0], **inputs[1])) if t.requires_grad]
+            outputs = [t for t in flatten_tensors(module.forward(*call_args, **call_kwargs)) if t.requires_grad]
             _synchronize(outputs)
             middle = time.perf_counter()
             if outputs and leaves:

@@ -14,8 +14,10 @@ chain (embeddings) on the first stage, after it (norm, head) on the last, blocks
 on their stage; a weight used on both sides (tied input/output embedding) is
 held by both stages and its gradient summed between them. Everything else this
 rank does not hold moves to the meta device (no memory), and modules before the
-chain run on meta tensors on later stages (no compute), since their outputs are
-replaced by the received activation anyway.
+chain with weights give zeros of their output's shape on later stages (no weights,
+no compute), since their outputs are replaced by the received activation anyway;
+what the step derives from them before the blocks (position ids, masks, rotary
+embeddings) is then computed for real on every stage, as the blocks need it.
 """
 
 from __future__ import annotations
@@ -120,8 +122,11 @@ class StageCut:
         analysis: CutAnalysis,
         plan: Plan,
         stage_index: int,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: where this stage computes (the stand-ins of earlier stages' modules are made there)."""
         self.root = root
+        self.device = device or torch.device("cpu")
         self.blocks = blocks
         self.analysis = analysis
         self.plan = plan
@@ -155,7 +160,8 @@ class StageCut:
         if not self.is_first:
             for name in self.analysis.pre_modules:
                 module = self.root.get_submodule(name)
-                module.forward = self._meta_forward(module, module.forward)
+                if module._parameters:  # weights this stage does not hold; buffer-only modules run for real
+                    module.forward = self._stand_in_forward(module, module.forward)
 
     def _free_outside_buffers(self) -> None:
         start, end = self.stage.layers
@@ -168,12 +174,24 @@ class StageCut:
 
     # -- patched forwards ---------------------------------------------------------------
 
-    def _meta_forward(self, module: nn.Module, original: Callable) -> Callable:
+    def _stand_in_forward(self, module: nn.Module, original: Callable) -> Callable:
+        """Zeros of the module's output shapes on the device, without its weights (shapes from a meta run).
+
+        What the rest of the step computes from them before the blocks (position
+        ids, masks, rotary embeddings: the side inputs every block receives) is then
+        real on this stage, and exact, since it depends on shapes and the batch
+        only; the first local block swaps the zeros for the received activation.
+        """
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             with _meta_state(module):
-                return original(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+                shaped = original(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            return tree_map(self._zeros_like, shaped)
 
         return forward
+
+    def _zeros_like(self, value: Any) -> Any:
+        return torch.zeros(value.shape, dtype=value.dtype, device=self.device) if isinstance(value, torch.Tensor) else value
 
     def _block_forward(self, index: int, original: Callable) -> Callable:
         start, end = self.stage.layers

@@ -133,7 +133,7 @@ class PipelineEngine:
         if self.groups.is_idle:
             release_module(self.module)
         elif self.is_pipelined:
-            self.cut = StageCut(self.module, blocks, analysis, self.plan, self.groups.stage_index)
+            self.cut = StageCut(self.module, blocks, analysis, self.plan, self.groups.stage_index, self.device)
             self.cut.apply()
             self._holders = dict(self.cut.holders)
         else:

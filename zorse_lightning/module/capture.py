@@ -15,33 +15,41 @@ import torch
 from torch import nn
 
 from zorse_lightning.module.blocks import BlockList, CutError
+from zorse_lightning.module.call_inputs import replace_tensors
 
 
 class _Seen(Exception):
     """Stops the step once the first block has its input: nothing after it is needed."""
 
 
-def first_block_input(first_block: nn.Module, run: Callable[[], Any]) -> torch.Tensor:
-    """The input ``first_block`` receives when ``run()`` (one sample of the user's step) calls it, detached."""
-    captured: list[torch.Tensor] = []
+def first_block_call(first_block: nn.Module, run: Callable[[], Any]) -> tuple[tuple, dict]:
+    """The call ``first_block`` receives when ``run()`` (the user's step) calls it: ``(args, kwargs)``, tensors
+    detached; the activation first, then what else a real forward passes (masks, rotary embeddings, a cache)."""
+    captured: list[tuple[tuple, dict]] = []
 
-    def hook(module: nn.Module, args: tuple) -> None:
-        captured.append(args[0].detach())
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append(replace_tensors((args, kwargs), lambda t: t.detach()))
         raise _Seen
 
-    handle = first_block.register_forward_pre_hook(hook)
+    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         run()
     except _Seen:
         pass
     finally:
         handle.remove()
-    if not captured:
+    if not captured or not captured[0][0] or not isinstance(captured[0][0][0], torch.Tensor):
         raise CutError(
-            f"the training step did not call the block list's first block ({type(first_block).__name__}); "
-            f"name the blocks the step runs with ZorseStrategy(block_path=...)"
+            f"the training step did not call the block list's first block ({type(first_block).__name__}) with the "
+            f"activation as its first positional argument; name the blocks the step runs with "
+            f"ZorseStrategy(block_path=...)"
         )
     return captured[0]
+
+
+def first_block_input(first_block: nn.Module, run: Callable[[], Any]) -> torch.Tensor:
+    """The activation ``first_block`` receives when ``run()`` calls it, detached."""
+    return first_block_call(first_block, run)[0][0]
 
 
 def edge_parameter_ids(root: nn.Module, blocks: BlockList, run: Callable[[], Any]) -> tuple[set[int], set[int]]:

@@ -28,7 +28,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,16 +105,29 @@ def _first_tensor(output: Any, name: str, module: Any) -> torch.Tensor:
     return output
 
 
-def _time_one(module: Any, x: torch.Tensor, name: str, options: MeasureOptions, device: torch.device):
-    """Median forward and backward ms of ``module`` on ``x``, and its (detached) output."""
+Call = tuple[tuple, dict]
+"""A block call as captured: ``(args, kwargs)``, the activation first."""
+
+
+def _call(module: Any, call: Call, x: torch.Tensor) -> Any:
+    """``module`` on ``call`` with ``x`` as the activation; state objects of the call copied afresh."""
+    from zorse_lightning.module.call_inputs import fresh_side_state
+
+    args, kwargs = fresh_side_state(call)
+    return module(x, *args[1:], **kwargs)
+
+
+def _time_one(module: Any, call: Call, name: str, options: MeasureOptions, device: torch.device):
+    """Median forward and backward ms of ``module`` on ``call``, and its (detached) output."""
     import torch
 
+    x = call[0][0]
     forward_ms, backward_ms = [], []
     for run in range(options.warmup + options.repeats):
         inp = x.detach().requires_grad_(x.is_floating_point())
         synchronize(device)
         start = time.perf_counter()
-        out = _first_tensor(module(inp), name, module)
+        out = _first_tensor(_call(module, call, inp), name, module)
         synchronize(device)
         middle = time.perf_counter()
         if out.requires_grad:
@@ -127,8 +140,8 @@ def _time_one(module: Any, x: torch.Tensor, name: str, options: MeasureOptions, 
     return statistics.median(forward_ms), statistics.median(backward_ms), out.detach()
 
 
-def _saved_bytes(module: Any, x: torch.Tensor) -> int:
-    """Bytes of the distinct non-parameter storages autograd keeps for the backward of ``module(x)``."""
+def _saved_bytes(module: Any, call: Call) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for the backward of ``module`` on ``call``."""
     import torch
 
     parameter_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -140,20 +153,21 @@ def _saved_bytes(module: Any, x: torch.Tensor) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
+    x = call[0][0]
     inp = x.detach().requires_grad_(x.is_floating_point())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(inp)
+        _call(module, call, inp)
     return sum(seen.values())
 
 
-def _flops(module: Any, x: torch.Tensor) -> float:
+def _flops(module: Any, call: Call) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     import torch
 
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        module(x)
+        _call(module, call, call[0][0])
     return float(counter.get_total_flops())
 
 
@@ -269,7 +283,8 @@ def measure_blocks(
     chain = [("embedding", before)] if before is not None else []
     chain += [(f"layer{i}", b) for i, b in enumerate(blocks)]
     chain += [("head", after)] if after is not None else []
-    measured = _measure_chain(chain, x, options, device)
+    sizes = tuple(range(1, options.max_microbatch_size + 1))
+    measured = _measure_chain(chain, lambda b: ((torch.cat([x] * b),), {}), sizes, options, device)
     times = [
         BlockTimes(_fit(measured.sizes, f), _fit(measured.sizes, b))
         for f, b in zip(measured.forward_ms, measured.backward_ms)
@@ -311,11 +326,11 @@ class _ChainMeasurement:
 
 
 def _measure_chain(
-    chain: list[tuple[str, Any]], x1: torch.Tensor, options: MeasureOptions, device: torch.device
+    chain: list[tuple[str, Any]], first_call: Callable[[int], Call], sizes: tuple[int, ...], options: MeasureOptions,
+    device: torch.device,
 ) -> _ChainMeasurement:
-    import torch
-
-    sizes = tuple(range(1, options.max_microbatch_size + 1))
+    """The chain timed and sized at each microbatch size; ``first_call(b)`` is the first module's call at size
+    ``b``, each later module receives the output of the one before."""
     forward_ms: list[list[float]] = [[] for _ in chain]
     backward_ms: list[list[float]] = [[] for _ in chain]
     saved: list[dict[int, int]] = [{} for _ in chain]
@@ -324,17 +339,18 @@ def _measure_chain(
     grads = [(p, p.grad) for _, m in chain for p in m.parameters()]
     try:
         for b in sizes:
-            x = torch.cat([x1] * b)
+            call = first_call(b)
             for i, (name, module) in enumerate(chain):
                 if b in (1, sizes[-1]):
-                    saved[i][b] = _saved_bytes(module, x)
+                    saved[i][b] = _saved_bytes(module, call)
                 if b == 1:
-                    flops[i] = _flops(module, x)
-                fwd, bwd, x = _time_one(module, x, name, options, device)
+                    flops[i] = _flops(module, call)
+                fwd, bwd, x = _time_one(module, call, name, options, device)
                 forward_ms[i].append(fwd)
                 backward_ms[i].append(bwd)
                 if b == 1:
                     outputs[i] = x.numel() * x.element_size()
+                call = ((x,), {})
     finally:
         for p, g in grads:
             p.grad = g
@@ -344,6 +360,33 @@ def _measure_chain(
         (sum(p.numel() for p in m.parameters()), per_sample[i], outputs[i], flops[i]) for i, (_, m) in enumerate(chain)
     ]
     return _ChainMeasurement(sizes, forward_ms, backward_ms, block_sizes)
+
+
+def measure_block_calls(
+    block: Any, calls: Sequence[Call], *, device: torch.device, gpu_type: str, options: MeasureOptions = MeasureOptions()
+) -> MeasuredBlocks:
+    """Time and size one block on calls captured from the user's step: ``calls[b - 1]`` at microbatch size ``b``
+    (the activation and the keyword arguments a real forward gives it: masks, rotary embeddings, a cache).
+
+    Start-up profiles this way: one block stands for all blocks of its list,
+    measured on exactly what it receives, never on guessed inputs.
+    """
+    x = calls[0][0][0]
+    dtype = str(x.dtype).removeprefix("torch.")
+    measured = _measure_chain(
+        [("layer0", block)], lambda b: calls[b - 1], tuple(range(1, len(calls) + 1)), options, device
+    )
+    times = BlockTimes(_fit(measured.sizes, measured.forward_ms[0]), _fit(measured.sizes, measured.backward_ms[0]))
+    zero_shape = BlockShape("none", 0, 0, 0, 0.0)
+    return MeasuredBlocks(
+        signature=model_signature([block]),
+        seq_len=x.shape[1] if x.ndim >= 2 else 1,
+        dtype=dtype,
+        times=DeviceTimes(gpu_type, ProfileSource.MEASURED, _ZERO_TIMES, (times,), _ZERO_TIMES),
+        embedding=zero_shape,
+        layers=(BlockShape("layer0", *measured.block_sizes[0]),),
+        head=zero_shape,
+    )
 
 
 def assemble_profile(

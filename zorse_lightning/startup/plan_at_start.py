@@ -36,14 +36,14 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
-from zorse_lightning.module.capture import edge_parameter_ids, first_block_input
+from zorse_lightning.module.capture import edge_parameter_ids, first_block_call
 from zorse_lightning.module.first_block import first_block_view
-from zorse_lightning.module.microbatch import microbatch_slice
+from zorse_lightning.module.microbatch import microbatch_slice, samples_in
 from zorse_lightning.planner.baselines import unprofiled_data_parallel
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.search import make_plan
-from zorse_lightning.profiling.measure import assemble_profile
+from zorse_lightning.profiling.measure import Call, assemble_profile
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
 from zorse_lightning.startup.link_probe import probe_bytes, probe_machines, with_measured_rates
 from zorse_lightning.startup.type_profile import PROFILE_OPTIONS, block_names, measure_type_profile, view_modules
@@ -130,6 +130,26 @@ def _edge_shapes(root: nn.Module, blocks: BlockList, run: Callable[[], Any], exa
     return embedding, head, bool(before & after)
 
 
+def _block_calls(blocks: BlockList, first_samples: Callable[[int], Callable[[], Any]], largest: int) -> list[Call]:
+    """What block 0 receives in the user's step at microbatch sizes 1..``largest`` (in the first-block view).
+
+    A step that fails there (a block that cannot run on what the others pass
+    through) is reported as a cut problem naming the block list, not as a
+    traceback from inside the model.
+    """
+    try:
+        return [first_block_call(blocks.blocks[0], first_samples(size)) for size in range(1, largest + 1)]
+    except (CutError, PlanningError):
+        raise
+    except Exception as error:
+        raise CutError(
+            f"start-up runs the training step with {blocks.path}[0] the only real block (the other blocks of "
+            f"{blocks.path} pass their input through), and it failed: {type(error).__name__}: {error}. Each block "
+            f"of the list must take the activation as its first argument and return a tensor of its shape; name "
+            f"the list that does with ZorseStrategy(block_path=...)"
+        ) from error
+
+
 def _first_of_its_type(inventory: ClusterInventory, rank: int) -> bool:
     my_type = inventory.gpus[rank].gpu_type.name
     return next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) == rank
@@ -152,9 +172,14 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         return StartupResult(unprofiled_data_parallel(inventory, inputs.global_batch_size, str(error)))
     options, size_note = within_profiled_sizes(options)
 
-    def one_sample() -> Any:
-        with torch.no_grad():
-            return run_step(microbatch_slice(batch, 0, 1))
+    def first_samples(size: int) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return run_step(microbatch_slice(batch, 0, size))
+
+        return run
+
+    one_sample = first_samples(1)
 
     with first_block_view(inputs.module, blocks, inputs.device, inputs.init_seed):
         if inputs.emulation is not None:
@@ -162,7 +187,8 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
             if not meter.is_tracking:  # a module built on the host: the device holds what the view made real
                 meter.track([m for _, m in view_modules(inputs.module, blocks)])
             meter.measure()  # the view's tensors are new: count them before its first call
-        example = first_block_input(blocks.blocks[0], one_sample)
+        calls = _block_calls(blocks, first_samples, min(PROFILE_OPTIONS.max_microbatch_size, samples_in(batch)))
+        example = calls[0][0][0]
         costs = None
         if inputs.emulation is not None:
             calibrated = calibrate_in_turn(view_modules(inputs.module, blocks), one_sample, batch_samples=1)
@@ -172,7 +198,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         if _first_of_its_type(inventory, inputs.rank):
             gpu_type = inventory.gpus[inputs.rank].gpu_type.name
             mine = measure_type_profile(
-                inputs.module, blocks, example, batch, run_step, inputs.device, gpu_type, inputs.emulation, costs
+                inputs.module, blocks, calls, batch, run_step, inputs.device, gpu_type, inputs.emulation, costs
             )
         edges = _edge_shapes(inputs.module, blocks, one_sample, example) if inputs.rank == 0 else None
     measured: list[Any] = [None] * inputs.world_size

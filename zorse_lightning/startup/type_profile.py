@@ -2,7 +2,8 @@
 
 Block 0 stands for every block (one list holds one class, and start-up runs
 the step with only block 0 real: :mod:`~zorse_lightning.module.first_block`);
-it is timed in place (its gradients are put back after),
+it is timed in place on the calls captured from the user's step (its
+gradients are put back after),
 then what a step spends outside them (embedding, head, loss: :mod:`.step_costs`)
 and the optimizer's rate. On an emulated cluster every measurement goes through
 the rank's emulator on the costs calibrated once for the whole run: every type
@@ -12,7 +13,7 @@ their speed ratios, and the run's emulation charges what was profiled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.module.blocks import BlockList
 from zorse_lightning.module.microbatch import samples_in
-from zorse_lightning.profiling.measure import MeasureOptions, MeasuredBlocks, measure_blocks
+from zorse_lightning.profiling.measure import Call, MeasureOptions, MeasuredBlocks, measure_block_calls
 from zorse_lightning.startup.step_costs import measure_optimizer_ms_per_million_parameters, measure_step_edges
 
 PROFILE_OPTIONS = MeasureOptions(max_microbatch_size=2, warmup=1, repeats=3)
@@ -51,7 +52,7 @@ def _as_every_block(measured: MeasuredBlocks, count: int) -> MeasuredBlocks:
 def measure_type_profile(
     root: torch.nn.Module,
     blocks: BlockList,
-    example: torch.Tensor,
+    calls: Sequence[Call],
     batch: Any,
     run_step: Callable[[Any], Any],
     device: torch.device,
@@ -61,17 +62,18 @@ def measure_type_profile(
 ) -> MeasuredBlocks:
     """Blocks, step edges and optimizer rate of this rank's GPU type (through ``emulation`` where given).
 
-    ``run_step(microbatch)`` runs the user's training step without gradients;
-    ``example`` is one sample of the first block's input. Runs inside the first-block view.
+    ``run_step(microbatch)`` runs the user's training step without gradients; ``calls[b - 1]`` is what block 0
+    receives at microbatch size ``b`` (:func:`~zorse_lightning.module.capture.first_block_call`). Runs inside
+    the first-block view; block 0 is timed in place (its gradients are put back after).
     """
-    measured_blocks = blocks.blocks[:1]  # measure_blocks puts back the gradients it made
+    block = blocks.blocks[0]
     emulator = None
     if emulation is not None:
-        emulator = emulation.instrumented(root, costs, named=[(block_names(blocks)[0], measured_blocks[0])])
+        emulator = emulation.instrumented(root, costs, named=[(block_names(blocks)[0], block)])
     try:
-        measured = measure_blocks(
-            measured_blocks, example, device=device, gpu_type=gpu_type,
-            dtype=str(example.dtype).removeprefix("torch."), options=PROFILE_OPTIONS, cache_dir=None,
+        measured = measure_block_calls(
+            block, calls, device=device, gpu_type=gpu_type,
+            options=replace(PROFILE_OPTIONS, max_microbatch_size=len(calls)),
         )
     finally:
         if emulator is not None:

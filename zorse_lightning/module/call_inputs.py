@@ -1,0 +1,91 @@
+"""The inputs of one module call: tensors inside containers, and state objects a call may change.
+
+A block receives more than its activation: masks, rotary embeddings, and objects
+such as a key/value cache that the call appends to. Profiling and calibration
+run a block several times on a captured call; each run must start from the
+captured state, or runs would see each other's keys (and reach each other's
+freed autograd graphs: "backward through the graph a second time"), and the real
+call's cache would grow by the profiler's runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+_PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def flatten_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples, lists and dicts, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in flatten_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for value in obj.values() for t in flatten_tensors(value)]
+    return []
+
+
+def replace_tensors(obj: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with each tensor ``t`` replaced by ``replace(t)``, containers rebuilt (named tuples too)."""
+    if isinstance(obj, torch.Tensor):
+        return replace(obj)
+    if isinstance(obj, tuple):
+        items = [replace_tensors(item, replace) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [replace_tensors(item, replace) for item in obj]
+    if isinstance(obj, dict):
+        return type(obj)((key, replace_tensors(value, replace)) for key, value in obj.items())
+    return obj
+
+
+def _held(obj: Any, seen: set[int]) -> list[Any]:
+    """Tensors and modules reachable from ``obj`` through containers and attributes (each object once)."""
+    if id(obj) in seen or isinstance(obj, _PLAIN) or callable(obj) and not hasattr(obj, "__dict__"):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, (torch.Tensor, nn.Module)):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+    return [t for item in items for t in _held(item, seen)]
+
+
+def _fresh_object(obj: Any) -> Any:
+    """A deep copy of a state object whose tensors are detached copies (a tensor inside a graph cannot be
+    deep-copied as it is) and whose modules are the same; the object itself where it cannot be copied."""
+    memo = {id(x): x if isinstance(x, nn.Module) else x.detach().clone() for x in _held(obj, set())}
+    try:
+        return copy.deepcopy(obj, memo)
+    except (TypeError, RuntimeError, copy.Error):
+        return obj
+
+
+def fresh_side_state(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every object that is neither a tensor, a container nor a plain value copied
+    afresh (see the module's docstring); tensors and containers are the same objects."""
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, (torch.Tensor, *_PLAIN)) or callable(value):
+            return value
+        if isinstance(value, tuple):
+            items = [fresh(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, list):
+            return [fresh(item) for item in value]
+        if isinstance(value, dict):
+            return type(value)((key, fresh(item)) for key, item in value.items())
+        return _fresh_object(value)
+
+    args, kwargs = call
+    return tuple(fresh(a) for a in args), {key: fresh(value) for key, value in kwargs.items()}
