@@ -10,12 +10,13 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.module.blocks import find_block_list
+from zorse_lightning.module.blocks import CutError, find_block_list
 from zorse_lightning.module.capture import first_block_call
+from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
-from zorse_lightning.startup.plan_at_start import within_profiled_sizes
+from zorse_lightning.startup.plan_at_start import block_calls, within_profiled_sizes
 from zorse_lightning.strategy.start import quiet_training_step
 
 
@@ -58,3 +59,26 @@ def test_blocks_and_edges_are_timed_through_the_one_emulation_given(monkeypatch)
     )
     assert built == [emulation, emulation]
     assert measured.times.head.forward.at(1) > 0 and measured.times.optimizer_ms_per_million_parameters > 0
+
+
+def test_blocks_that_cannot_run_with_one_real_block_are_a_cut_error_naming_block_path():
+    """Start-up runs the step with block 0 the only real block: a list whose blocks change the activation's
+    shape fails there, and the user gets the block list and what to pass, not a traceback from the model."""
+
+    class Widening(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)])
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    model = Widening()
+    blocks = find_block_list(model)
+    batch = torch.randn(2, 4)
+    with first_block_view(model, blocks, torch.device("cpu")):
+        with pytest.raises(CutError, match=r"layers\[0\] the only real block.*block_path="):
+            block_calls(blocks, lambda size: lambda: model(batch[:size]), 2)

@@ -130,7 +130,7 @@ def _edge_shapes(root: nn.Module, blocks: BlockList, run: Callable[[], Any], exa
     return embedding, head, bool(before & after)
 
 
-def _block_calls(blocks: BlockList, first_samples: Callable[[int], Callable[[], Any]], largest: int) -> list[Call]:
+def block_calls(blocks: BlockList, first_samples: Callable[[int], Callable[[], Any]], largest: int) -> list[Call]:
     """What block 0 receives in the user's step at microbatch sizes 1..``largest`` (in the first-block view).
 
     A step that fails there (a block that cannot run on what the others pass
@@ -138,6 +138,7 @@ def _block_calls(blocks: BlockList, first_samples: Callable[[int], Callable[[], 
     traceback from inside the model.
     """
     try:
+        first_samples(1)()  # the whole step once: what follows the blocks must run on what they pass on
         return [first_block_call(blocks.blocks[0], first_samples(size)) for size in range(1, largest + 1)]
     except (CutError, PlanningError):
         raise
@@ -187,7 +188,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
             if not meter.is_tracking:  # a module built on the host: the device holds what the view made real
                 meter.track([m for _, m in view_modules(inputs.module, blocks)])
             meter.measure()  # the view's tensors are new: count them before its first call
-        calls = _block_calls(blocks, first_samples, min(PROFILE_OPTIONS.max_microbatch_size, samples_in(batch)))
+        calls = block_calls(blocks, first_samples, min(PROFILE_OPTIONS.max_microbatch_size, samples_in(batch)))
         example = calls[0][0][0]
         costs = None
         if inputs.emulation is not None:

@@ -1,0 +1,132 @@
+"""Hugging Face decoder models trained unchanged: GPT-2, Llama, Mistral and Qwen2 from small configs.
+
+The module is what a user writes: a LightningModule around ``AutoModelForCausalLM``
+whose step returns ``self.model(input_ids=x, labels=x).loss``. Each model on
+``cpu_sim4`` (four emulated GPU types) is (a) planned at start, (b) run on a
+pinned 2-stage pipeline, (c) run on an asymmetric pipeline (stage 0 one A100,
+stage 1 a V100 and two T4s), and (d) stopped after two steps and resumed from the
+checkpoint. Every run must end at the parameters of single-process training from
+the same initial weights on the global batch (4 ranks x a loader batch of 4 = 16,
+as with DDP). Llama, Mistral and Qwen2 pass rotary embeddings and masks to every
+layer as keyword arguments, made once before the layers: they must be real on
+every stage. One set of four processes runs every case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from testing.launch import spawn_ranks
+from testing.plans import hand_plan
+from torch.utils.data import DataLoader, TensorDataset
+
+from zorse_lightning import ZorseStrategy, load_cluster
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+STEPS = 3
+PER_RANK_BATCH = 4
+GLOBAL_BATCH = PER_RANK_BATCH * WORLD
+VOCAB, SEQ = 64, 8
+ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def config(arch: str):
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=2, n_positions=SEQ,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    kinds = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+    return getattr(transformers, kinds[arch])(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ,
+    )
+
+
+class CausalLm(pl.LightningModule):
+    """A user's module around a Hugging Face model (nothing zorse-specific)."""
+
+    def __init__(self, arch: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.AutoModelForCausalLM.from_config(config(arch))
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def tokens() -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(2)))
+
+
+def reference(arch: str) -> dict[str, torch.Tensor]:
+    """Single-process training on global batches of 16, in the order the strategy's loader gives them."""
+    module = CausalLm(arch)
+    optimizer = module.configure_optimizers()
+    data = tokens().tensors[0]
+    for step in range(STEPS):
+        module.training_step((data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH],), step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in module.named_parameters()}
+
+
+def _fit(arch: str, strategy: ZorseStrategy, steps: int, tmp: Path, ckpt_path: Path | None = None) -> CausalLm:
+    module = CausalLm(arch)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=tmp,
+    )
+    trainer.fit(module, DataLoader(tokens(), batch_size=PER_RANK_BATCH), ckpt_path=ckpt_path)
+    if ckpt_path is None and steps < STEPS:
+        trainer.save_checkpoint(tmp / f"{arch}.ckpt")
+    return module
+
+
+def _difference(module: CausalLm, expected: dict[str, torch.Tensor]) -> float:
+    held = {n: p for n, p in module.named_parameters() if not p.is_meta}
+    return max((held[n].detach() - expected[n]).abs().max().item() for n in held)
+
+
+def _worker(rank: int, tmp: Path) -> dict:
+    sim4 = load_cluster("cpu_sim4")
+    pinned = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4)
+    asymmetric = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4)
+    results = {}
+    for arch in ARCHITECTURES:
+        expected = reference(arch)
+        planned = ZorseStrategy(cluster=sim4)
+        results[arch] = {
+            "planned": _difference(_fit(arch, planned, STEPS, tmp), expected),
+            "planned_stages": len(planned.plan.stages),
+            "pinned": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=pinned), STEPS, tmp), expected),
+            "asymmetric": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp), expected),
+        }
+        _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS - 1, tmp)
+        resumed = _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
+        results[arch]["resumed"] = _difference(resumed, expected)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("hugging_face"))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed"])
+def test_trains_as_one_process_does(results, arch, case):
+    for rank, result in enumerate(results):
+        assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])
