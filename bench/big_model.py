@@ -36,12 +36,19 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from bench.hetero_throughput import StepClock, _costs_from_json, _costs_json, _per_rank, _trainer, solo_samples_per_s
+from bench.hetero_throughput import (
+    BenchConfig,
+    StepClock,
+    _costs_from_json,
+    _costs_json,
+    _per_rank,
+    _trainer,
+    solo_samples_per_s,
+)
 from testing.launch import spawn_ranks
 from zorse_lightning import PlannerOptions, ZorseStrategy
-from zorse_lightning.models.gpt import GPT
 from zorse_lightning.units import bytes_to_gib
 
 TYPES = {
@@ -52,29 +59,15 @@ TYPES = {
 
 
 @dataclass(frozen=True)
-class BigModelConfig:
+class BigModelConfig(BenchConfig):
     state_over_largest: float = 3.0
     """The model's AdamW training state over the largest GPU's budget."""
     others_fraction: float = 0.9
     """The other GPUs' budgets as a fraction of the largest's."""
-    per_rank_batch: int = 8
-    warmup: int = 3
     steps: int = 8
-    solo_steps: int = 3
-    width: int = 256
     layers: int = 8
     seq_len: int = 32
-    vocab: int = 256
-    solver_time_limit_s: float = 5.0
-
-    def model(self) -> GPT:
-        torch.manual_seed(0)
-        return GPT(vocab_size=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers, heads=4)
-
-    def dataset(self, world_size: int) -> TensorDataset:
-        count = self.per_rank_batch * world_size * (self.warmup + self.steps)
-        tokens = torch.randint(0, self.vocab, (count, self.seq_len + 1), generator=torch.Generator().manual_seed(0))
-        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    """Short: a stage's activations must fit beside its share of the weights."""
 
     def state_bytes(self) -> int:
         with torch.device("meta"):

@@ -58,7 +58,7 @@ def test_a_submodule_with_no_initialisation_is_refused_by_name():
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), Scale())
-    with pytest.raises(ZorseUserError, match=r"module 1 \(Scale\).*no reset_parameters\(\).*initialize_weights"):
+    with pytest.raises(ZorseUserError, match=r"module 1 \(Scale\).*no reset_parameters\(\).*initialize_submodule"):
         materialize(model, "cpu")
 
 

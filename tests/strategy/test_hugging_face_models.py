@@ -9,7 +9,8 @@ checkpoint. Every run must end at the parameters of single-process training from
 the same initial weights on the global batch (4 ranks x a loader batch of 4 = 16,
 as with DDP). Llama, Mistral and Qwen2 pass rotary embeddings and masks to every
 layer as keyword arguments, made once before the layers: they must be real on
-every stage. One set of four processes runs every case.
+every stage. A Llama saved with ``save_pretrained`` is also read per stage into a module built
+on the meta device. One set of four processes runs every case.
 """
 
 from __future__ import annotations
@@ -117,7 +118,25 @@ def _worker(rank: int, tmp: Path) -> dict:
         _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS - 1, tmp)
         resumed = _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
         results[arch]["resumed"] = _difference(resumed, expected)
+    results["llama"]["pretrained_per_stage"] = _pretrained_per_stage(rank, sim4, asymmetric, tmp)
     return results
+
+
+def _pretrained_per_stage(rank: int, sim4, plan, tmp: Path) -> float:
+    """Weights saved by ``save_pretrained``, read per stage into a module built on the meta device."""
+    saved = tmp / "llama_pretrained"
+    if rank == 0:
+        CausalLm("llama").model.save_pretrained(saved)
+    torch.distributed.barrier()
+    strategy = ZorseStrategy(cluster=sim4, plan=plan, weights=saved)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with trainer.init_module(empty_init=True):
+        module = CausalLm("llama")
+    trainer.fit(module, DataLoader(tokens(), batch_size=PER_RANK_BATCH))
+    return _difference(module, reference("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +149,8 @@ def results(tmp_path_factory) -> list[dict]:
 def test_trains_as_one_process_does(results, arch, case):
     for rank, result in enumerate(results):
         assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])
+
+
+def test_pretrained_weights_on_disk_are_read_per_stage_into_a_meta_built_model(results):
+    for rank, result in enumerate(results):
+        assert result["llama"]["pretrained_per_stage"] < 1e-5, (rank, result["llama"])

@@ -74,7 +74,7 @@ class GPT(pl.LightningModule):
                 # GPT-2: scale residual projections by depth so activations do not grow with it.
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * layers))
 
-    def initialize_weights(self, name: str, module: nn.Module) -> None:
+    def initialize_submodule(self, name: str, module: nn.Module) -> None:
         """The same rules for one submodule, as a model built on the meta device is initialised (one stream
         per submodule: see ``zorse_lightning.module.materialize``); the values differ from an eager build's."""
         self._init_weights(module)

@@ -46,7 +46,7 @@ def _view_tensor_ids(root: nn.Module, blocks: BlockList) -> set[int]:
 def first_block_view(root: nn.Module, blocks: BlockList, device: torch.device, seed: int = 0) -> Iterator[None]:
     """Inside: block 0 and the modules outside the block list real on ``device``, blocks 1.. pass through."""
     ids = _view_tensor_ids(root, blocks)
-    swaps = materialize(root, device, seed, wanted=lambda name, tensor: id(tensor) in ids)
+    swaps = materialize(root, device, seed, wanted=lambda name, tensor: id(tensor) in ids, strict=False)
     swaps += move_to_device(root, device, ids)
     patched = [block for block in blocks.blocks[1:] if "forward" not in block.__dict__]
     for block in patched:

@@ -10,8 +10,10 @@ and the module's name (:func:`module_seed`):
 
 - the submodule's own ``reset_parameters()`` where it has one (torch's convention:
   ``Linear``, ``Embedding``, ``LayerNorm``...; FSDP materializes the same way);
-- then the LightningModule's ``initialize_weights(name, module)``, where it defines
-  one (a model's own initialisation, called once per submodule that owns tensors);
+- then the initialiser of the deepest module around it that defines one: our
+  ``initialize_submodule(name, module)`` (a model's own initialisation, called once
+  per submodule that owns tensors; the project's GPT has one), else Hugging
+  Face's ``_init_weights(module)`` (which also computes rotary ``inv_freq``);
 - a submodule with its own tensors and neither is refused, naming it.
 
 A reference that materializes the whole module the same way (:func:`materialize`
@@ -33,8 +35,8 @@ from torch import nn
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.stage_weights import WeightSource, read_into
 
-INIT_HOOK = "initialize_weights"
-"""Name of the optional per-submodule initialiser on the root module: ``initialize_weights(name, module)``."""
+INIT_HOOK = "initialize_submodule"
+"""Name of the optional per-submodule initialiser on the root module: ``initialize_submodule(name, module)``."""
 
 Wanted = Callable[[str, torch.Tensor], bool]
 """``wanted(module_name, tensor)``: whether this rank materializes ``tensor`` (a parameter or buffer)."""
@@ -64,33 +66,57 @@ class Swap:
         return self.kind == "_parameters"
 
 
-def _initialise(root: nn.Module, name: str, module: nn.Module) -> None:
-    """The submodule's ``reset_parameters()`` (sane defaults: a norm's ones), then the root's hook over it."""
-    hook = getattr(root, INIT_HOOK, None)
+def _init_hook(root: nn.Module, name: str) -> Callable[[nn.Module], None] | None:
+    """The initialiser of submodule ``name`` defined by its deepest enclosing module (the root included):
+    ``initialize_submodule(name, module)``, else Hugging Face's ``_init_weights(module)``."""
+    path = name.split(".") if name else []
+    hook = None
+    owner = root
+    for depth in range(len(path) + 1):
+        if depth:
+            owner = getattr(owner, path[depth - 1])
+        relative = ".".join(path[depth:])
+        if callable(getattr(owner, INIT_HOOK, None)):
+            hook = (lambda owner, relative: lambda module: getattr(owner, INIT_HOOK)(relative, module))(owner, relative)
+        elif callable(getattr(owner, "_init_weights", None)):
+            hook = getattr(owner, "_init_weights")
+    return hook
+
+
+def _initialise(root: nn.Module, name: str, module: nn.Module, strict: bool) -> None:
+    """The submodule's ``reset_parameters()`` (sane defaults: a norm's ones), then its enclosing model's
+    initialiser over it; with neither, an error (``strict``) or zeros."""
+    hook = _init_hook(root, name)
     reset = getattr(module, "reset_parameters", None)
     if not callable(hook) and not callable(reset):
+        if not strict:
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is not None:
+                    tensor.zero_()
+            return
         raise ZorseUserError(
             f"module {name or '<root>'} ({type(module).__name__}) was built on the meta device and owns tensors "
-            f"{sorted([*module._parameters, *module._buffers])}, but it has no reset_parameters() and "
-            f"{type(root).__name__} defines no {INIT_HOOK}(name, module): nothing says what its values are. Define "
-            f"{type(root).__name__}.{INIT_HOOK}(self, name, module) (called for each submodule owning tensors), or "
-            f"build the module on the host (not under init_module(empty_init=True) or configure_model)"
+            f"{sorted([*module._parameters, *module._buffers])}, but it has no reset_parameters() and no module "
+            f"around it defines {INIT_HOOK}(name, module) (or Hugging Face's _init_weights(module)): nothing says "
+            f"what its values are. Define {type(root).__name__}.{INIT_HOOK}(self, name, module) (called for each "
+            f"submodule owning tensors), pass pretrained weights, or build the module on the host (not under "
+            f"init_module(empty_init=True) or configure_model)"
         )
     if callable(reset):
         reset()
     if callable(hook):
-        hook(name, module)
+        hook(module)
 
 
 def materialize(
     root: nn.Module, device: torch.device | str, seed: int = 0, wanted: Wanted | None = None,
-    initialise: bool = True,
+    strict: bool = True,
 ) -> list[Swap]:
     """Give every meta parameter and buffer of ``root`` that ``wanted`` accepts (default: all) a tensor on
     ``device``, initialised per submodule (see the module's docstring); returns what was replaced.
 
-    ``initialise=False`` leaves the new tensors' memory as it is: for a probe
-    that needs shapes and a graph, not values, or before reading pretrained weights.
+    ``strict=False`` gives zeros to a submodule nothing initialises: where
+    values need only be finite (timing) or pretrained weights overwrite them.
     """
     device = torch.device(device)
     done: dict[int, nn.Parameter] = {}
@@ -112,14 +138,14 @@ def materialize(
                 module._buffers[key] = torch.empty_like(buffer, device=device)
                 swaps.append(Swap(module, "_buffers", key, buffer, module._buffers[key]))
                 buffers += 1
-        if initialise and (fresh or buffers):
-            _initialise_keeping_shared(root, name, module, fresh, seed)
+        if fresh or buffers:
+            _initialise_keeping_shared(root, name, module, fresh, seed, strict)
     return swaps
 
 
 @torch.no_grad()
 def _initialise_keeping_shared(
-    root: nn.Module, name: str, module: nn.Module, fresh: list[nn.Parameter], seed: int
+    root: nn.Module, name: str, module: nn.Module, fresh: list[nn.Parameter], seed: int, strict: bool
 ) -> None:
     """Initialise ``module`` on its own stream; a shared weight an earlier module initialised keeps its values."""
     fresh_ids = {id(p) for p in fresh}
@@ -127,7 +153,7 @@ def _initialise_keeping_shared(
     devices = [p.device for p in fresh if p.device.type == "cuda"]
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(module_seed(seed, name))
-        _initialise(root, name, module)
+        _initialise(root, name, module, strict)
     for param, values in earlier:
         param.copy_(values)
 
@@ -169,7 +195,8 @@ class InitialValues:
 def place_on_device(root: nn.Module, device: torch.device, wanted: Wanted, initial: InitialValues) -> list[Swap]:
     """Put on ``device`` every tensor ``wanted`` accepts: built on the meta device (initialised, or read from
     ``initial.weights``) or held on the host (moved); real tensors elsewhere than the device are all moved."""
-    swaps = materialize(root, device, initial.seed, wanted, initialise=initial.weights is None)
+    # Initialised also when weights follow: a buffer no state dict holds (rotary inv_freq) gets its value so.
+    swaps = materialize(root, device, initial.seed, wanted, strict=initial.weights is None)
     swaps += move_to_device(root, torch.device(device))
     if initial.weights is not None:
         placed = {id(s.new) for s in swaps}

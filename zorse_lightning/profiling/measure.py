@@ -111,7 +111,7 @@ Call = tuple[tuple, dict]
 
 def _call(module: Any, call: Call, x: torch.Tensor) -> Any:
     """``module`` on ``call`` with ``x`` as the activation; state objects of the call copied afresh."""
-    from zorse_lightning.module.call_inputs import fresh_side_state
+    from zorse_lightning.module.call_inputs import fresh_side_state  # imports torch: kept out of module import
 
     args, kwargs = fresh_side_state(call)
     return module(x, *args[1:], **kwargs)

@@ -230,8 +230,9 @@ class ZorseStrategy(CheckpointHooks):
         self._patch_clipping()
         if self._recovery.enabled and not any(isinstance(c, SnapshotEachStep) for c in trainer.callbacks):
             trainer.callbacks.insert(0, SnapshotEachStep(self._snapshot_for_recovery))
-        if self._engine is None and not has_meta_tensors(self.lightning_module):
-            broadcast_module(self.lightning_module, host_group())
+        if self._engine is None:
+            if not has_meta_tensors(self.lightning_module):  # a meta-built module gets its values per stage
+                broadcast_module(self.lightning_module, host_group())
             if self._plan_source is not None:
                 plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
                 check_schedule(plan, self._planner_options)
