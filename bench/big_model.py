@@ -34,7 +34,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 

@@ -296,14 +296,15 @@ def test_measured_blocks_alone_give_zero_size_ends(tmp_path):
 def test_cached_measurement_keeps_the_optimizer_rate_and_reads_files_without_it():
     from dataclasses import replace
 
-    from zorse_lightning.profiling.measure import MeasuredBlocks, _from_json, _to_json
+    from zorse_lightning.profiling.measure import MeasuredBlocks
+    from zorse_lightning.profiling.measure_cache import from_json, to_json
     from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, TimeCurve
 
     times = BlockTimes(TimeCurve(1.0, 0.5, (1.5, 2.5)), TimeCurve(2.0, 1.0))
     shape = BlockShape("layer", 10, 20, 30, 40.0)
     device = DeviceTimes("t4", ProfileSource.MEASURED, times, (times, times), times, optimizer_ms_per_million_parameters=6.0)
     measured = MeasuredBlocks("sig", 8, "float32", device, shape, (shape, shape), shape)
-    stored = json.loads(json.dumps(_to_json(measured)))
-    assert _from_json(stored) == replace(measured, from_cache=True)
+    stored = json.loads(json.dumps(to_json(measured)))
+    assert from_json(stored) == replace(measured, from_cache=True)
     del stored["optimizer_ms_per_million_parameters"]  # a file written before the field existed
-    assert _from_json(stored).times == replace(device, optimizer_ms_per_million_parameters=None)
+    assert from_json(stored).times == replace(device, optimizer_ms_per_million_parameters=None)

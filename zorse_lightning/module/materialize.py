@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from functools import partial
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.stage_weights import WeightSource, read_into
 
 INIT_HOOK = "initialize_submodule"
-"""Name of the optional per-submodule initialiser on the root module: ``initialize_submodule(name, module)``."""
+"""Name of the optional per-submodule initialiser a model defines: ``initialize_submodule(name, module)``, ``name``
+relative to the model (the deepest enclosing model that defines it is asked)."""
 
 Wanted = Callable[[str, torch.Tensor], bool]
 """``wanted(module_name, tensor)``: whether this rank materializes ``tensor`` (a parameter or buffer)."""
@@ -77,7 +79,7 @@ def _init_hook(root: nn.Module, name: str) -> Callable[[nn.Module], None] | None
             owner = getattr(owner, path[depth - 1])
         relative = ".".join(path[depth:])
         if callable(getattr(owner, INIT_HOOK, None)):
-            hook = (lambda owner, relative: lambda module: getattr(owner, INIT_HOOK)(relative, module))(owner, relative)
+            hook = partial(getattr(owner, INIT_HOOK), relative)
         elif callable(getattr(owner, "_init_weights", None)):
             hook = getattr(owner, "_init_weights")
     return hook

@@ -29,18 +29,17 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.profiling.measure_cache import DEFAULT_CACHE_DIR, cache_path, from_json, to_json
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_CACHE_DIR = Path("~/.cache/zorse_lightning/profiles")
-CACHE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -183,47 +182,6 @@ def _fit(sizes: Sequence[int], times_ms: Sequence[float]) -> TimeCurve:
 _ZERO_TIMES = BlockTimes(TimeCurve(0.0, 0.0), TimeCurve(0.0, 0.0))
 
 
-def _cache_path(
-    cache_dir: Path, signature: str, gpu_type: str, dtype: str, seq_len: int, options: MeasureOptions
-) -> Path:
-    safe_gpu = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_type)
-    runs = f"b{options.max_microbatch_size}w{options.warmup}r{options.repeats}"
-    return cache_dir.expanduser() / f"{signature}_{safe_gpu}_{dtype}_s{seq_len}_{runs}.json"
-
-
-def _curve_from(d: dict[str, Any]) -> TimeCurve:
-    return TimeCurve(d["slope_ms"], d["intercept_ms"], tuple(d["measured_ms"]))
-
-
-def _to_json(m: MeasuredBlocks) -> dict[str, Any]:
-    blocks = [m.embedding, *m.layers, m.head]
-    times = [m.times.embedding, *m.times.layers, m.times.head]
-    return {
-        "format": CACHE_FORMAT,
-        "signature": m.signature,
-        "gpu_type": m.times.gpu_type,
-        "seq_len": m.seq_len,
-        "dtype": m.dtype,
-        "optimizer_ms_per_million_parameters": m.times.optimizer_ms_per_million_parameters,
-        "blocks": [
-            {"shape": asdict(s), "forward": asdict(t.forward), "backward": asdict(t.backward)}
-            for s, t in zip(blocks, times)
-        ],
-    }
-
-
-def _from_json(d: dict[str, Any]) -> MeasuredBlocks:
-    shapes = [BlockShape(**b["shape"]) for b in d["blocks"]]
-    times = [BlockTimes(_curve_from(b["forward"]), _curve_from(b["backward"])) for b in d["blocks"]]
-    device_times = DeviceTimes(
-        d["gpu_type"], ProfileSource.MEASURED, times[0], tuple(times[1:-1]), times[-1],
-        d.get("optimizer_ms_per_million_parameters"),  # absent from files written before it existed
-    )
-    return MeasuredBlocks(
-        d["signature"], d["seq_len"], d["dtype"], device_times, shapes[0], tuple(shapes[1:-1]), shapes[-1], True
-    )
-
-
 def _default_gpu_type(device: torch.device) -> str:
     from zorse_lightning.cluster.catalog import DEFAULT_CATALOG
     from zorse_lightning.cluster.detection import local_device_report
@@ -273,9 +231,9 @@ def measure_blocks(
     seq_len = seq_len or (example_input.shape[1] if example_input.ndim >= 2 else 1)
     signature = model_signature(blocks, before, after)
     gpu_type = gpu_type or _default_gpu_type(device)
-    path = None if cache_dir is None else _cache_path(Path(cache_dir), signature, gpu_type, dtype, seq_len, options)
+    path = None if cache_dir is None else cache_path(Path(cache_dir), signature, gpu_type, dtype, seq_len, options)
     if path is not None and path.exists():
-        return _from_json(json.loads(path.read_text()))
+        return from_json(json.loads(path.read_text()))
 
     x = example_input.to(device)
     if x.is_floating_point():
@@ -310,7 +268,7 @@ def measure_blocks(
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(_to_json(result)))
+        tmp.write_text(json.dumps(to_json(result)))
         os.replace(tmp, path)
     return result
 

@@ -55,11 +55,11 @@ def _mine(local: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in local.items() if name not in lower}
 
 
-def _held_module_entries(module: nn.Module) -> dict[str, Any]:
+def held_module_entries(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
-def _held_optimizer_entries(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+def held_optimizer_entries(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     names = {id(p): n for n, p in module.named_parameters()}
     return {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
 
@@ -70,23 +70,23 @@ def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str
 
 def held_module_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Everything of the module's state dict this rank holds, copied to the CPU (not collective: survivors)."""
-    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, _to_cpu(_held_module_entries(module)))
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, _to_cpu(held_module_entries(module)))
 
 
 def held_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """The optimizer state of every parameter this rank steps, by name, copied (not collective: survivors)."""
-    held = _to_cpu(_held_optimizer_entries(optimizer, module))
+    held = _to_cpu(held_optimizer_entries(optimizer, module))
     return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, held)
 
 
 def local_module_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's share of the module's state dict (collective)."""
-    return _to_cpu(_mine(_held_module_entries(module)))
+    return _to_cpu(_mine(held_module_entries(module)))
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """This rank's share of the optimizer's state, keyed by parameter name (collective)."""
-    held = _held_optimizer_entries(optimizer, module)
+    held = held_optimizer_entries(optimizer, module)
     return {NAMED_STATE_KEY: _to_cpu(_mine(held)), "param_groups": optimizer_hyperparameters(optimizer)}
 
 

@@ -51,7 +51,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zorse_lightning.engine.checkpoint_files import (
     COMMON,
@@ -61,14 +60,13 @@ from zorse_lightning.engine.checkpoint_files import (
 )
 from zorse_lightning.strategy.checkpoint_io import (
     NAMED_STATE_KEY,
-    _held_module_entries,
-    _held_optimizer_entries,
     all_gather,
     held_module_state,
     held_optimizer_state,
     merged_state_dict,
 )
 from zorse_lightning.strategy.checkpoint_io import load as load_checkpoint
+from zorse_lightning.strategy.host_copies import HostCopy, copy_to_host, held_on_device, lives_off_host
 
 SURVIVORS_DIR = ".survivors"
 FORMAT = "zorse-survivor"
@@ -108,28 +106,6 @@ class RecoveryReport:
 
 
 @dataclass(frozen=True)
-class _HostCopy:
-    """A rank's held state of one step in host memory: the layout of ``{"state_dict": ..., "optimizers":
-    [...]}`` and its leaves, CPU tensors (buffers a later snapshot may refill) and copies of the rest."""
-
-    spec: TreeSpec
-    leaves: list[Any]
-
-    def fits(self, spec: TreeSpec, leaves: list[Any]) -> bool:
-        """Whether these buffers can take ``leaves`` in place: same layout, tensors of the same shapes and dtypes."""
-        return spec == self.spec and all(
-            not isinstance(new, torch.Tensor)
-            or (isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype)
-            for old, new in zip(self.leaves, leaves)
-        )
-
-    def held(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The module state and the optimizers' states, as ``held_module_state``/``held_optimizer_state`` give them."""
-        tree = tree_unflatten(self.leaves, self.spec)
-        return tree["state_dict"], tree["optimizers"]
-
-
-@dataclass(frozen=True)
 class _Snapshot:
     step: int
     common: bytes
@@ -137,7 +113,7 @@ class _Snapshot:
     touches no device (a monitored score may be a GPU tensor)."""
     versions: dict[int, int]
     """Version counters of the held tensors (state on the host); empty when ``host`` holds copies."""
-    host: _HostCopy | None
+    host: HostCopy | None
     """Host copies of the held state (state on a device)."""
 
 
@@ -149,41 +125,6 @@ def _serialized(common: dict[str, Any]) -> bytes:
 
 def _deserialized(common: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(common), map_location="cpu", weights_only=False)
-
-
-def _lives_off_host(tensors: list[torch.Tensor]) -> bool:
-    return any(t.device.type != "cpu" for t in tensors)
-
-
-def _held_on_device(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """What ``held_module_state`` and ``held_optimizer_state`` copy, not copied."""
-    return {"state_dict": _held_module_entries(module),
-            "optimizers": [_held_optimizer_entries(o, module) for o in optimizers]}
-
-
-def _host_buffer(value: Any) -> torch.Tensor | None:
-    """An empty host tensor for ``value`` (None for a non-tensor), pinned when CUDA is there (faster transfers)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    return torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
-
-
-def _copy_to_host(tree: dict[str, Any], spare: _HostCopy | None) -> _HostCopy:
-    """``tree`` copied to host memory, into ``spare``'s buffers when they fit (no allocation in steady state)."""
-    leaves, spec = tree_flatten(tree)
-    buffers = spare.leaves if spare is not None and spare.fits(spec, leaves) else [_host_buffer(v) for v in leaves]
-    copied = [
-        buffer.copy_(value.detach(), non_blocking=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-        for buffer, value in zip(buffers, leaves)
-    ]
-    _wait_for_copies(leaves)
-    return _HostCopy(spec, copied)
-
-
-def _wait_for_copies(sources: list[Any]) -> None:
-    """Copies into pinned memory run asynchronously: wait, once per device, until its stream has run them."""
-    for device in {v.device for v in sources if isinstance(v, torch.Tensor) and v.is_cuda}:
-        torch.cuda.current_stream(device).synchronize()
 
 
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -225,7 +166,7 @@ class SurvivorKeeper:
         lives off the host (on a GPU)."""
         self._host_copies = host_copies
         self._snapshot: _Snapshot | None = None
-        self._spare: _HostCopy | None = None
+        self._spare: HostCopy | None = None
         self._kept = False
         self._keeping = threading.Lock()
 
@@ -234,12 +175,12 @@ class SurvivorKeeper:
         if self._kept:
             return
         tensors = _tensors(module, optimizers)
-        copies = self._host_copies if self._host_copies is not None else _lives_off_host(tensors)
+        copies = self._host_copies if self._host_copies is not None else lives_off_host(tensors)
         if not copies:
             self._snapshot = _Snapshot(step, _serialized(common), _versions(tensors), None)
             return
         published = self._snapshot
-        host = _copy_to_host(_held_on_device(module, optimizers), self._spare)
+        host = copy_to_host(held_on_device(module, optimizers), self._spare)
         self._snapshot = _Snapshot(step, _serialized(common), {}, host)
         self._spare = published.host if published is not None else None
 

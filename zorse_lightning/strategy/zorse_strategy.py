@@ -11,7 +11,11 @@ A module that optimises by hand owns its step instead (strategy/manual_optimizat
 
 Start-up is one call: :func:`~zorse_lightning.startup.plan_at_start.run_startup`
 takes the first batch and the user's step and returns the plan (and what the
-emulation reuses); checkpoint and failure hooks are in :mod:`.checkpoint_hooks`.
+emulation reuses). This file holds the construction, setup, start-up and data;
+the step hooks are in :mod:`.step_hooks`, checkpoint and failure hooks in
+:mod:`.checkpoint_hooks`. No rank holds more than its stage: nothing moves to
+the device before the engine's cut, and a module built on the meta device
+(``configure_model``, ``init_module(empty_init=True)``) is materialized per stage.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -49,11 +52,12 @@ from zorse_lightning.planner.plan import Plan
 from zorse_lightning.startup.detection import detect_cluster
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
 from zorse_lightning.strategy import checkpoint_io
-from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks, ResumeState
+from zorse_lightning.strategy.checkpoint_hooks import ResumeState
+from zorse_lightning.strategy.step_hooks import StepHooks
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 from zorse_lightning.strategy.gradient_stash import GradientStash
 from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
-from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, quiet_merged_metric_advice, replay
+from zorse_lightning.strategy.log_capture import LogMerger, quiet_merged_metric_advice
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.strategy.plan_checks import check_plan_against, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
@@ -67,7 +71,7 @@ ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
 PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed"]
 
 
-class ZorseStrategy(CheckpointHooks):
+class ZorseStrategy(StepHooks):
     """Trains one LightningModule over the mixed GPUs of ``cluster`` by a planned pipeline.
 
     Args:
@@ -339,127 +343,6 @@ class ZorseStrategy(CheckpointHooks):
         if self.lightning_module.trainer.training:
             self._resume.train_loader(loader.batch_sampler)
         return loader
-
-    # -- the step --------------------------------------------------------------------------
-
-    def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
-        method = getattr(self.lightning_module, hook)
-        return lambda micro, j: method(micro, batch_idx, *rest)
-
-    def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
-        """Cut the module (unless a validation before training did), then what training alone needs:
-        optimizers restricted to this rank's weights or shard, their restored state, the emulation."""
-        if not self.engine.prepared:
-            silent = LogCapture(self.plan.microbatch_size)
-            with capturing_logs(self.lightning_module, silent):
-                self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
-        self._training_prepared = True
-        for optimizer in self.optimizers:
-            self.engine.setup_optimizer(optimizer)
-        for optimizer, state in zip(self.optimizers, self._resume.pending_optimizer_states):
-            checkpoint_io.load_optimizer_state(optimizer, self.lightning_module, state)
-        self._resume.pending_optimizer_states = []
-        emulation = self._rank_emulation()
-        if emulation is not None:
-            costs = self._startup.calibrated_costs if self._startup is not None else None
-            self._emulation = StageEmulation.start(
-                emulation, costs, self.lightning_module, self.engine, self.optimizers, self.plan.microbatch_size
-            )
-
-    def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
-        capture = LogCapture(self.plan.microbatch_size)
-        with capturing_logs(self.lightning_module, capture):
-            result = run(self._microbatch_step(hook, batch_idx, *rest))
-        merger = self._log_mergers.setdefault(hook, LogMerger(self.root_device))
-        replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
-        return result
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
-        if not self._training_prepared:
-            self._prepare_engine(batch, batch_idx)
-        if self._manual is not None:
-            with self.precision_plugin.train_step_context():
-                output = self._manual.training_step(batch, batch_idx, *rest)
-            self._step_done(batch_idx)
-            return output
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        scale = self.precision_plugin.loss_scale_value / accumulate
-        earlier = GradientStash.take(self.engine.local_parameters())
-        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then.
-        overlap = accumulate == 1
-        with self.precision_plugin.train_step_context():
-            loss = self._captured(
-                lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
-            )
-        self._step_done(batch_idx)
-        self._stashed = GradientStash.take(self.engine.local_parameters())
-        earlier.put_back()
-        return loss
-
-    def _step_done(self, batch_idx: int) -> None:
-        if self._emulation is not None:
-            self._emulation.after_step()
-        self._resume.step_done(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
-
-    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        if not self.engine.prepared:
-            self._prepare_engine_for_evaluation(batch, batch_idx, hook)
-        with self.precision_plugin.val_step_context():
-            outputs = self._captured(lambda step: self.engine.evaluate(batch, step), hook, batch_idx, *rest)
-        return [outputs[j] for j in sorted(outputs)] if outputs else None
-
-    def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
-        """The cut is probed on a loss (its graph shows what crosses the stages): the training step gives
-        one, where ``validation_step`` may only log and ``predict_step`` return no gradient."""
-        probe = "training_step" if is_overridden("training_step", self.lightning_module) else hook
-        silent = LogCapture(self.plan.microbatch_size)
-        with capturing_logs(self.lightning_module, silent), torch.enable_grad():
-            self.engine.prepare(batch, self._microbatch_step(probe, batch_idx))
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        self._evaluation_step("validation_step", batch, batch_idx, *rest)
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        self._evaluation_step("test_step", batch, batch_idx, *rest)
-
-    @override
-    def predict_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        outputs = self._evaluation_step("predict_step", batch, batch_idx, *rest)
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            return torch.cat(outputs)
-        return outputs
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
-        if self._manual is not None:
-            return self._manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._stashed.put_back()
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_reduce() -> Any:
-            result = closure()
-            if self._manual is None:  # manual_backward reduced its gradients already
-                self.engine.reduce_gradients()
-            return result
-
-        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        self.engine.after_optimizer_step()
-        return output
-
-    def _patch_clipping(self) -> None:
-        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage. (By hand:
-        one unsharded stage whose gradients are reduced at backward, so Lightning's clipping is right as it is.)"""
-        if self._clip_patched or not self.lightning_module.automatic_optimization:
-            return
-        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
-        self._clip_patched = True
 
     @override
     def teardown(self) -> None:
