@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zorse_lightning.engine.groups import NCCL_ERROR_HANDLING, tear_down_hung_collectives
-from zorse_lightning.strategy import fast_recovery
+from zorse_lightning.strategy import fast_recovery, host_copies
 from zorse_lightning.strategy.checkpoint_io import held_module_state, held_optimizer_state
 from zorse_lightning.strategy.fast_recovery import SurvivorKeeper
 
@@ -153,7 +153,7 @@ def test_a_snapshot_cut_short_leaves_the_previous_step_whole(tmp_path, monkeypat
     def hung(sources: list[Any]) -> None:
         raise RuntimeError("the copy waits behind a collective the lost peer never joins")
 
-    monkeypatch.setattr(fast_recovery, "_wait_for_copies", hung)
+    monkeypatch.setattr(host_copies, "_wait_for_copies", hung)
     with pytest.raises(RuntimeError, match="never joins"):
         keeper.snapshot(3, {"global_step": 3}, module, [optimizer])
 
