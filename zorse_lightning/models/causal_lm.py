@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
+
+from zorse_lightning.models.next_token import NextTokenModel
 
 
-class CausalLm(pl.LightningModule):
+class CausalLm(NextTokenModel):
     def __init__(
         self,
         model_type: str = "llama",
@@ -30,24 +30,15 @@ class CausalLm(pl.LightningModule):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.save_hyperparameters()
-        if pretrained is not None and torch.empty(0).device.type != "meta":
+        building_on_meta = torch.empty(0).device.type == "meta"  # init_module(empty_init=True): weights come per stage
+        if pretrained is not None and not building_on_meta:
             self.model = AutoModelForCausalLM.from_pretrained(pretrained)
         else:
             built = AutoConfig.from_pretrained(pretrained) if pretrained else AutoConfig.for_model(model_type, **(config or {}))
             self.model = AutoModelForCausalLM.from_config(built)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens, targets = batch
-        logits = self.model(input_ids=tokens).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(

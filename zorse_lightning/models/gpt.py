@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zorse_lightning.models.next_token import NextTokenModel
 
 
 class CausalSelfAttention(nn.Module):
@@ -47,7 +48,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(pl.LightningModule):
+class GPT(NextTokenModel):
     def __init__(
         self,
         vocab_size: int = 256,
@@ -94,25 +95,6 @@ class GPT(pl.LightningModule):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        idx, targets = batch
-        logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
-
-    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self(batch[0]).argmax(dim=-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.dim() >= 2]
