@@ -31,7 +31,7 @@ from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport
 from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
-from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, place_on_device
+from zorse_lightning.module.materialize import InitialValues, place_on_device
 from zorse_lightning.planner.schedule import ActionKind, build_schedule
 from zorse_lightning.engine.sharding import OptimizerShards, restrict_optimizer
 
@@ -163,8 +163,7 @@ class PipelineEngine:
     def _whole_fits_probe(self) -> bool:
         """Whether the probe may run the whole module: already real on this device (an eager module on a CPU
         rank); else it runs with one real block (:func:`first_block_view`)."""
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        return not has_meta_tensors(self.module) and all(t.device == self.device for t in tensors)
+        return all(t.device == self.device for t in (*self.module.parameters(), *self.module.buffers()))
 
     def _agreed_analysis(self, blocks: BlockList, batch: Any, step_fn: StepFn) -> CutAnalysis:
         mine = None

@@ -31,18 +31,21 @@ def flatten_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def replace_tensors(obj: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with each tensor ``t`` replaced by ``replace(t)``, containers rebuilt (named tuples too)."""
-    if isinstance(obj, torch.Tensor):
-        return replace(obj)
+def _map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with nested tuples (named ones too), lists and dicts rebuilt and ``leaf`` applied to the rest."""
     if isinstance(obj, tuple):
-        items = [replace_tensors(item, replace) for item in obj]
+        items = [_map_leaves(item, leaf) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
-        return [replace_tensors(item, replace) for item in obj]
+        return [_map_leaves(item, leaf) for item in obj]
     if isinstance(obj, dict):
-        return type(obj)((key, replace_tensors(value, replace)) for key, value in obj.items())
-    return obj
+        return type(obj)((key, _map_leaves(value, leaf)) for key, value in obj.items())
+    return leaf(obj)
+
+
+def replace_tensors(obj: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with each tensor ``t`` replaced by ``replace(t)``, containers rebuilt (named tuples too)."""
+    return _map_leaves(obj, lambda value: replace(value) if isinstance(value, torch.Tensor) else value)
 
 
 def _held(obj: Any, seen: set[int]) -> list[Any]:
@@ -73,19 +76,11 @@ def _fresh_object(obj: Any) -> Any:
 
 def fresh_side_state(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every object that is neither a tensor, a container nor a plain value copied
-    afresh (see the module's docstring); tensors and containers are the same objects."""
+    afresh (see the module's docstring); tensors are the same objects, containers rebuilt."""
 
     def fresh(value: Any) -> Any:
         if isinstance(value, (torch.Tensor, *_PLAIN)) or callable(value):
             return value
-        if isinstance(value, tuple):
-            items = [fresh(item) for item in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, list):
-            return [fresh(item) for item in value]
-        if isinstance(value, dict):
-            return type(value)((key, fresh(item)) for key, item in value.items())
         return _fresh_object(value)
 
-    args, kwargs = call
-    return tuple(fresh(a) for a in args), {key: fresh(value) for key, value in kwargs.items()}
+    return _map_leaves(call, fresh)
