@@ -24,7 +24,19 @@ class Sharding(str, Enum):
 
 
 SUPPORTED_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
-SUPPORTED_SHARDING: tuple[Sharding, ...] = (Sharding.NONE, Sharding.OPTIMIZER)
+SUPPORTED_SHARDING: tuple[Sharding, ...] = (
+    Sharding.NONE,
+    Sharding.OPTIMIZER,
+    Sharding.OPTIMIZER_GRADIENTS,
+    Sharding.FULL,
+)
+GATHER_PER_MICROBATCH_MAX_STAGES = 1
+"""``full`` sharding with parameters gathered block by block for each microbatch
+(``StagePlan.gather_per_microbatch``) runs only in plans of this many stages: every
+rank of the stage must make the same gathers in the same order, so a rank with fewer
+microbatches makes empty rounds after its own; inside a pipeline a rank's microbatches
+also wait on other stages, and contiguous uneven shares could then wait on each other
+in a cycle (a round-robin assignment of microbatches would lift this)."""
 SUPPORTS_RECOMPUTATION = True
 SUPPORTS_INTERLEAVING = False
 SUPPORTS_IDLE_RANKS = True

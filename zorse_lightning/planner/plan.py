@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTED_SHARDING, Schedule, Sharding
+from zorse_lightning.capabilities import (
+    GATHER_PER_MICROBATCH_MAX_STAGES,
+    SUPPORTED_SCHEDULES,
+    SUPPORTED_SHARDING,
+    Schedule,
+    Sharding,
+)
 from zorse_lightning.errors import PlanningError
 
 PLAN_FORMAT_VERSION = 1
@@ -33,6 +39,10 @@ class StagePlan:
     shard_fractions: tuple[float, ...] = ()
     """Share of the stage's sharded state each rank holds (sums to 1); empty: even shares."""
     recompute: bool = False
+    gather_per_microbatch: bool = False
+    """``full`` sharding only: each block's parameters are gathered for each microbatch's forward and
+    backward and freed after them (least memory, most traffic); otherwise all of the stage's parameters
+    are gathered once before its first microbatch of a step and kept for all of them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding(self.sharding))
@@ -151,6 +161,13 @@ class Plan:
                 len(stage.shard_fractions) != len(stage.ranks) or abs(sum(stage.shard_fractions) - 1) > 1e-6
             ):
                 yield f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1"
+            if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
+                yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
+            if stage.gather_per_microbatch and len(self.stages) > GATHER_PER_MICROBATCH_MAX_STAGES:
+                yield (
+                    f"{where}: gather_per_microbatch runs only in plans of at most {GATHER_PER_MICROBATCH_MAX_STAGES} "
+                    f"stage(s), this one has {len(self.stages)}; gather once per step (gather_per_microbatch false)"
+                )
         if expected_start != self.num_layers:
             yield f"layers cover [0, {expected_start}) but the model has {self.num_layers}"
 
