@@ -23,8 +23,10 @@ limit. No plan can beat it in this cost model; the ratio plan / bound says how m
 of the cluster's compute a plan leaves unused.
 
 The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
-"missing_plans", "median_ratio_to_bound", "per_case": [...], "allow_idle_ranks",
-"skipped"}``. Goals (issue 3): 0, 0 and at most 1.5.
+"missing_plans", "median_ratio_to_bound", "median_stages_per_plan",
+"median_idle_gpus_per_plan", "per_case": [...], "allow_idle_ranks", "skipped"}``
+(each case also gives its plan's stages, idle GPUs and sharding per stage: how the
+plan is shaped, beside how fast it is). Goals (issue 3): 0, 0 and at most 1.5.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class Case:
     plan_ms: float | None
     baselines_ms: dict[str, float | None]
     bound_ms: float
+    stages: int | None = None
+    """Pipeline stages of the plan (None: no plan)."""
+    idle_gpus: int | None = None
+    """GPUs the plan leaves idle (None: no plan)."""
+    sharding: str = ""
+    """Each stage's sharding level (``full/microbatch``: gathered block by block per microbatch)."""
 
     @property
     def ratio_to_bound(self) -> float | None:
@@ -99,6 +107,9 @@ class Case:
             "baselines": self.baselines_ms,
             "bound_ms": self.bound_ms,
             "ratio_to_bound": self.ratio_to_bound,
+            "stages": self.stages,
+            "idle_gpus": self.idle_gpus,
+            "sharding": self.sharding,
         }
 
 
@@ -117,13 +128,25 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
     profile = reference_profile(model, [t.name for t in inventory.gpu_types], SEQ_LEN, DTYPE)
     batch = samples_per_gpu * inventory.world_size
     try:
-        plan_ms = make_plan(inventory, profile, batch, options).predicted.iteration_ms
+        plan = make_plan(inventory, profile, batch, options)
     except PlanningError:
-        plan_ms = None
+        plan = None
     baselines = {
-        name: plan and plan.predicted.iteration_ms for name, plan in all_baselines(inventory, profile, batch, options).items()
+        name: found and found.predicted.iteration_ms for name, found in all_baselines(inventory, profile, batch, options).items()
     }
-    return Case(cluster, model, batch, plan_ms, baselines, compute_bound_ms(inventory, profile, batch))
+    shape = {} if plan is None else {
+        "stages": len(plan.stages),
+        "idle_gpus": len(plan.idle_ranks),
+        "sharding": ",".join(_sharding_label(s) for s in plan.stages),
+    }
+    return Case(
+        cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, compute_bound_ms(inventory, profile, batch), **shape
+    )
+
+
+def _sharding_label(stage) -> str:
+    level = getattr(stage.sharding, "value", str(stage.sharding))
+    return f"{level}/microbatch" if getattr(stage, "gather_per_microbatch", False) else level
 
 
 def _ms(value: float | None) -> str:
@@ -133,7 +156,8 @@ def _ms(value: float | None) -> str:
 def case_table(cases: list[Case], title: str) -> Table:
     baseline_names = list(cases[0].baselines_ms) if cases else []
     table = Table(title=title)
-    for column in ("cluster", "model", "batch", "plan ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound"):
+    columns = ("cluster", "model", "batch", "plan ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "sharding")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("cluster", "model") else "right")
     for case in cases:
         mark = " [red](worse)[/red]" if case.worse_than_a_baseline else " [red](missing)[/red]" if case.missing_plan else ""
@@ -146,17 +170,23 @@ def case_table(cases: list[Case], title: str) -> Table:
             *(_ms(case.baselines_ms[n]) for n in baseline_names),
             _ms(case.bound_ms),
             "-" if ratio is None else f"{ratio:.2f}",
+            "-" if case.stages is None else str(case.stages),
+            "-" if case.idle_gpus is None else str(case.idle_gpus),
+            case.sharding or "-",
         )
     return table
 
 
 def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> dict:
     ratios = [c.ratio_to_bound for c in cases if c.ratio_to_bound is not None]
+    planned = [c for c in cases if c.stages is not None]
     return {
         "cases": len(cases),
         "worse_than_a_baseline": sum(c.worse_than_a_baseline for c in cases),
         "missing_plans": sum(c.missing_plan for c in cases),
         "median_ratio_to_bound": statistics.median(ratios) if ratios else None,
+        "median_stages_per_plan": statistics.median(c.stages for c in planned) if planned else None,
+        "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
         "per_case": [c.as_json() for c in cases],
         "allow_idle_ranks": allow_idle_ranks,
         "skipped": [f"{c.cluster}/{c.model}" for c in skipped],
@@ -191,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(
         f"{result['cases']} cases ({len(skipped)} skipped: nothing fits); worse than a baseline: "
         f"{result['worse_than_a_baseline']}; missing plans: {result['missing_plans']}; "
-        f"median plan / bound: {result['median_ratio_to_bound']:.3f}"
+        f"median plan / bound: {result['median_ratio_to_bound']:.3f}; median stages per plan: "
+        f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}"
     )
     print(json.dumps(result))
     return result

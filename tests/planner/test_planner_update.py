@@ -86,7 +86,7 @@ def test_iteration_adds_each_stages_sync_and_slowest_update() -> None:
 def test_search_keeps_sharding_where_it_shortens_the_step() -> None:
     options = PlannerOptions(allow_pipeline=False, stage_layout=[[0, 1, 2]])
     costly = make_plan(_inventory(), _measured({"a100x40": 2.0, "v100x16": 5.0}), 8, options)
-    assert costly.stages[0].sharding is Sharding.OPTIMIZER  # everything fits unsharded, but steps 3x longer
+    assert costly.stages[0].sharding is Sharding.OPTIMIZER_GRADIENTS  # everything fits unsharded, but steps 3x longer
     free = make_plan(_inventory(), _measured({"a100x40": 0.0, "v100x16": 0.0}), 8, options)
     assert free.stages[0].sharding is Sharding.NONE  # no faster sharded: prefer fewer collectives
     assert costly.predicted.iteration_ms > free.predicted.iteration_ms

@@ -11,10 +11,14 @@ What overlaps and what does not (the pipeline formula in :mod:`.compute` uses th
   (:func:`.compute.receiving_busy_ms`); a boundary limits the iteration when its
   busiest link needs longer than that; during fill and drain each boundary adds
   one transfer each way to the critical path;
-* gradient synchronisation of a stage (ring all-reduce, then an all-reduce of
-  the updated parameters when the optimizer state is sharded) runs
-  after the stage's last backward and is *not* overlapped (conservative: the
-  drain of earlier stages would hide part of it).
+* gradient synchronisation of a stage (:func:`ring_sync_ms`, by sharding level)
+  runs after the stage's last backward and is *not* overlapped (conservative: the
+  drain of earlier stages would hide part of it); full sharding's gather of the
+  weights before the next step's first forward is priced there too (it is on the
+  critical path either way);
+* full sharding gathered per microbatch (:func:`gather_round_ms`) gathers each
+  block before its forward and its backward and reduces its gradient after, and
+  every GPU of the stage waits for those collectives: not overlapped either.
 
 Links between machines are shared by every GPU pair of the two machines; links
 inside a machine are taken per GPU pair.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import gbps_to_bytes_per_s
@@ -146,20 +151,54 @@ class LinkTable:
         return self._cache[key]
 
 
-def ring_sync_ms(gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharded: bool) -> float:
-    """Gradient synchronisation of one stage after its last backward.
+def ring_sync_ms(
+    weight_bytes: float, gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharding: Sharding
+) -> float:
+    """Synchronisation of one stage after its last backward, as the engine runs each level
+    (:mod:`zorse_lightning.engine.sharding`).
 
-    Unsharded: all-reduce of the gradients. Optimizer state sharded (ZeRO-1) as
-    the engine runs it (:mod:`zorse_lightning.engine.sharding`): the same
-    all-reduce (global-norm clipping needs every gradient reduced), then an
-    all-reduce of the updated weights (each owner's shard, zeros elsewhere), at
-    the gradients' bytes per weight.
+    * ``none``: an all-reduce of the gradients;
+    * ``optimizer``: the same all-reduce (every rank gets every reduced gradient),
+      then an all-reduce of the updated weights (each owner's, zeros elsewhere);
+    * ``optimizer_gradients``: each gradient reduced to its owner (a reduce-scatter),
+      then the owners' updated weights to every rank (an all-gather): one all-reduce's
+      traffic, half of ``optimizer``'s;
+    * ``full``: the same reduce-scatter, and the all-gather of the weights before the
+      next step's first forward instead of after this step. Gathered per microbatch, the
+      caller passes only the embedding's and head's bytes, which are kept whole like
+      ``optimizer_gradients`` (the layers move in :func:`gather_round_ms`).
     """
-    all_reduce = ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us)
-    return 2 * all_reduce if sharded and num_ranks > 1 else all_reduce
+    if num_ranks <= 1:
+        return 0.0
+    if sharding is Sharding.NONE:
+        return ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us)
+    if sharding is Sharding.OPTIMIZER:
+        return ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_reduce_ms(
+            weight_bytes, num_ranks, bandwidth_gbps, latency_us
+        )
+    return ring_reduce_scatter_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_gather_ms(
+        weight_bytes, num_ranks, bandwidth_gbps, latency_us
+    )
 
 
-def stage_sync_ms(links: LinkTable, ranks: tuple[int, ...], gradient_bytes: float, sharded: bool) -> float:
+def stage_sync_ms(links: LinkTable, ranks: tuple[int, ...], weight_bytes: float, gradient_bytes: float, sharding: Sharding) -> float:
     """:func:`ring_sync_ms` over the ring through the stage's ranks in rank order."""
     bandwidth_gbps, latency_us = links.ring(ranks)
-    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded)
+    return ring_sync_ms(weight_bytes, gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharding)
+
+
+def gather_round_ms(links: LinkTable, ranks: tuple[int, ...], weight_bytes: float, gradient_bytes: float, num_blocks: int) -> float:
+    """One microbatch round of full sharding gathered per microbatch, over the stage's ring.
+
+    Each of ``num_blocks`` blocks (``weight_bytes`` and ``gradient_bytes`` are all of
+    theirs together, spread evenly) is all-gathered before its forward and again
+    before its backward, and its gradient reduce-scattered to its owners right after:
+    three collectives per block, each paying its own latencies. A rank without a
+    microbatch in the round joins them all the same.
+    """
+    if len(ranks) <= 1 or num_blocks <= 0:
+        return 0.0
+    bandwidth_gbps, latency_us = links.ring(ranks)
+    gather = ring_all_gather_ms(weight_bytes / num_blocks, len(ranks), bandwidth_gbps, latency_us)
+    reduce = ring_reduce_scatter_ms(gradient_bytes / num_blocks, len(ranks), bandwidth_gbps, latency_us)
+    return num_blocks * (2 * gather + reduce)

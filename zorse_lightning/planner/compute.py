@@ -81,6 +81,18 @@ def stage_busy_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
     return max((n * t for n, t in zip(microbatches, microbatch_ms)), default=0.0)
 
 
+def lockstep_busy_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
+    """Busy time of a stage whose ranks meet in collectives inside every microbatch (full sharding
+    gathered per microbatch: each block's gathers): the ``i``-th round lasts as long as the
+    slowest rank that has an ``i``-th microbatch, and the others wait for it in the gathers."""
+    total, previous = 0.0, 0
+    for level in sorted({n for n in microbatches if n > 0}):
+        slowest = max(t for t, n in zip(microbatch_ms, microbatches) if n >= level)
+        total += (level - previous) * slowest
+        previous = level
+    return total
+
+
 def stage_latency_ms(microbatch_ms: list[float], microbatches: list[int]) -> float:
     """One microbatch through the stage on the slowest rank that processes any."""
     return max((t for n, t in zip(microbatches, microbatch_ms) if n > 0), default=0.0)

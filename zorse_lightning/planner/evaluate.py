@@ -10,12 +10,13 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.comm import (
     LinkTable,
-    ring_sync_ms,
+    gather_round_ms,
     stage_sync_ms,
     transfer_ms,
 )
 from zorse_lightning.planner.compute import (
     MicrobatchTimes,
+    lockstep_busy_ms,
     pipeline_ms,
     receiving_busy_ms,
     round_trip_busy_ms,
@@ -25,18 +26,21 @@ from zorse_lightning.planner.compute import (
 )
 from zorse_lightning.planner.memory import (
     RankMemory,
+    StageParameters,
     activation_bytes_per_microbatch,
     microbatches_in_flight,
     reserve_gib,
     shard_fractions_by_free_memory,
-    stage_parameters,
+    stage_parameter_counts,
     stage_state_bytes,
     state_bytes_per_parameter,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
-from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
+from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated, update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import bytes_to_gib, gib_to_bytes
+
+__all__ = ["update_lower_bound_ms"]  # re-exported: it lived here
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class StageCost:
     times: tuple[MicrobatchTimes, ...]
     """One microbatch on each rank of the stage."""
     busy_ms: float
+    """Its slowest rank's work per iteration, with the gathers of per-microbatch sharding."""
     latency_ms: float
     sync_ms: float
     memory: tuple[RankMemory, ...]
@@ -186,9 +191,13 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     times = tuple(by_type[t] for t in stage.gpu_types)
     totals = [t.total_ms for t in times]
     counts = list(stage.microbatches_per_rank)
+    if stage.gather_per_microbatch:
+        busy_ms = lockstep_busy_ms(totals, counts) + max(counts) * gather_round_ms_of(ctx, plan, index)
+    else:
+        busy_ms = stage_busy_ms(totals, counts)
     return StageCost(
         times=times,
-        busy_ms=stage_busy_ms(totals, counts),
+        busy_ms=busy_ms,
         latency_ms=stage_latency_ms(totals, counts),
         sync_ms=stage_own_sync_ms(ctx, plan, index),
         memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()),
@@ -196,50 +205,43 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
     )
 
 
-def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> float:
-    """Synchronisation of stage ``index`` (or of ``stage`` put in its place) over its own group:
-    the gradients' all-reduce, and the updated weights' when it shards optimizer state."""
+def stage_parameters_of(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> StageParameters:
+    """Parameters of stage ``index`` (or of ``stage`` put in its place), embedding and head included."""
     stage = stage or plan.stages[index]
-    first, last = index == 0, index == len(plan.stages) - 1
-    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
-    gradient_bytes = parameters * state_bytes_per_parameter(ctx.profile.dtype).gradients
-    return stage_sync_ms(ctx.links, stage.ranks, gradient_bytes, stage.sharding is not Sharding.NONE)
+    return stage_parameter_counts(ctx.profile, stage.layers, first=index == 0, last=index == len(plan.stages) - 1)
+
+
+def gather_round_ms_of(ctx: CostContext, plan: Plan, index: int) -> float:
+    """One microbatch round of stage ``index``'s per-block gathers (every rank makes one per
+    microbatch of the stage's busiest rank: :func:`gather_round_ms`)."""
+    stage, parameters = plan.stages[index], stage_parameters_of(ctx, plan, index)
+    per = state_bytes_per_parameter(ctx.profile.dtype)
+    return gather_round_ms(
+        ctx.links, stage.ranks, parameters.layers * per.weights, parameters.layers * per.gradients, parameters.num_layers
+    )
+
+
+def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> float:
+    """Synchronisation of stage ``index`` (or of ``stage`` put in its place) over its own group
+    after its last backward, by sharding level (:func:`ring_sync_ms`); gathered per microbatch,
+    only the embedding and head are left to synchronise then."""
+    stage = stage or plan.stages[index]
+    parameters = stage_parameters_of(ctx, plan, index, stage)
+    synced = parameters.edges if stage.gather_per_microbatch else parameters.total
+    per = state_bytes_per_parameter(ctx.profile.dtype)
+    return stage_sync_ms(ctx.links, stage.ranks, synced * per.weights, synced * per.gradients, stage.sharding)
 
 
 def stage_update_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> tuple[float, ...]:
     """Each rank's optimizer step on stage ``index`` (or on ``stage`` put in its place): its
     shard of the stage's parameters when the stage shards optimizer state, all of them otherwise."""
     stage = stage or plan.stages[index]
-    first, last = index == 0, index == len(plan.stages) - 1
-    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
+    parameters = stage_parameters_of(ctx, plan, index, stage).total
     updated = parameters_updated(parameters, stage.sharding, stage.effective_shard_fractions())
     return tuple(
         optimizer_step_ms(ctx.profile.times(t), ctx.inventory.gpus[r].gpu_type, n)
         for r, t, n in zip(stage.ranks, stage.gpu_types, updated)
     )
-
-
-def update_lower_bound_ms(ctx: CostContext, ranks: list[int]) -> float:
-    """No plan on ``ranks`` steps its optimizer faster than this: every parameter of the
-    model spread over them in proportion to their speed.
-
-    A stage of ``P`` parameters whose GPUs step one parameter in ``c_r`` ms waits for
-    its slowest, ``max_r f_r P c_r >= P / sum_r 1 / c_r`` for any shares ``f_r``
-    summing to one (all ones unsharded: slower still); the stages' ``P`` add up to at
-    least the model's, so the slowest stage takes at least the model's over the sum of
-    every GPU's ``1 / c_r``.
-    """
-    per_parameter_ms: dict[str, float] = {}
-    speed = 0.0
-    for rank in ranks:
-        gpu_type = ctx.inventory.gpus[rank].gpu_type
-        if gpu_type.name not in per_parameter_ms:
-            per_parameter_ms[gpu_type.name] = optimizer_step_ms(ctx.profile.times(gpu_type.name), gpu_type, 1.0)
-        cost = per_parameter_ms[gpu_type.name]
-        if cost <= 0:
-            return 0.0  # a free step
-        speed += 1.0 / cost
-    return ctx.profile.total_parameters / speed
 
 
 def plan_stage_widths(plan: Plan) -> tuple[int, ...]:
@@ -252,8 +254,8 @@ def stage_memory(
     """Peak memory of each rank of stage ``index`` (or of ``stage`` put in its place)."""
     stage = stage or plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
-    parameters = stage_parameters(ctx.profile, stage.layers, first=first, last=last)
-    held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding)
+    parameters = stage_parameters_of(ctx, plan, index, stage)
+    held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding, stage.gather_per_microbatch)
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
@@ -270,7 +272,8 @@ def stage_memory(
 
 
 def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tuple[float, ...]:
-    """Shard fractions of a stage by each rank's memory left after its unsharded needs."""
+    """Shard fractions of a stage by each rank's memory left after its activations, reserve and
+    the state it holds whole at its level (so every rank fills the same share of what is left)."""
     stage = plan.stages[index]
     unsharded = stage_memory(ctx, plan, index, tuple(0.0 for _ in stage.ranks))
     return shard_fractions_by_free_memory(
@@ -354,8 +357,7 @@ def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tup
         return 0.0
     gradient_bytes = ctx.profile.head.parameters * state_bytes_per_parameter(ctx.profile.dtype).gradients
     ranks = tuple(sorted(set(first_ranks) | set(last_ranks)))
-    bandwidth_gbps, latency_us = ctx.links.ring(ranks)
-    return ring_sync_ms(gradient_bytes, len(ranks), bandwidth_gbps, latency_us, sharded=False)
+    return stage_sync_ms(ctx.links, ranks, gradient_bytes, gradient_bytes, Sharding.NONE)
 
 
 def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:

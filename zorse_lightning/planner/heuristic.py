@@ -18,7 +18,14 @@ from zorse_lightning.planner.compute import per_sample_layer_ms
 from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.ilp import AssignmentProblem, layer_options
 from zorse_lightning.planner.plan import Plan, SolverRecord
-from zorse_lightning.planner.problem import WindowCosts, block_extras, layout_plan, stage_plan, with_free_memory_shards
+from zorse_lightning.planner.problem import (
+    SEARCH_SHARDING,
+    WindowCosts,
+    block_extras,
+    layout_plan,
+    stage_plan,
+    with_free_memory_shards,
+)
 from zorse_lightning.planner.rounding import proportional_counts
 
 
@@ -70,7 +77,7 @@ def balanced_plan(
     fit: tuple[AssignmentProblem, list[list[tuple[int, ...]]]] | None = None,
 ) -> Plan | None:
     """Microbatches as :func:`proportional_plan`, layers by :func:`balanced_layer_counts`,
-    state sharded; not priced yet. ``fit``: the candidate's integer program and rank
+    state sharded as the search shards it (:data:`.problem.SEARCH_SHARDING`); not priced yet. ``fit``: the candidate's integer program and rank
     groups, to cap each stage's layers at what its memory holds in the program's
     (conservative) memory model; None when no split then fits."""
     microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds)
@@ -79,7 +86,7 @@ def balanced_plan(
     if counts is None:
         return None
     return _split_plan(
-        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, Sharding.OPTIMIZER, recompute
+        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, SEARCH_SHARDING, recompute
     )
 
 

@@ -10,8 +10,22 @@ Bytes per parameter (ZeRO paper's accounting):
   optimizer 12 (fp32 master copy 4 + Adam moments 4 + 4) = 16;
 * float32 training: weights 4 + gradients 4 + optimizer 8 (two moments) = 16.
 
-Only the optimizer part is sharded (``Sharding.OPTIMIZER``, ZeRO-1: the only
-sharding level the engine supports beside none).
+What a stage shards across its GPUs, by level (:func:`stage_state_bytes`; the
+engine assigns whole parameters to owners by ``shard_fractions``):
+
+* ``none``: every GPU holds weights, gradients and optimizer state;
+* ``optimizer`` and ``optimizer_gradients``: optimizer state sharded; every GPU
+  still holds all weights and, during the step, all gradients (the latter
+  accumulates them locally over the step's microbatches and reduces each to its
+  owner only at the end), so the peak is the same;
+* ``full`` gathered once per step: between steps a GPU holds only its own
+  parameters, but it gathers all of them before its first microbatch and keeps
+  them, with full gradients, until the step ends: the same peak again;
+* ``full`` gathered per microbatch (one-stage plans): the layers' weights,
+  gradients and optimizer state are all sharded, and a GPU holds whole only the
+  embedding and head (weights and gradients) and two gathered blocks (one in use
+  with its gradient while the next gathers) -- the only level whose peak shrinks
+  with the number of GPUs beyond the optimizer state.
 """
 
 from __future__ import annotations
@@ -76,6 +90,34 @@ def _head_shape(profile: ModelProfile, first: bool) -> BlockShape:
 
 def stage_parameters(profile: ModelProfile, layers: tuple[int, int], *, first: bool, last: bool) -> int:
     return sum(b.parameters for b in stage_blocks(profile, layers, first=first, last=last))
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """A stage's parameters as gathering block by block needs them (full sharding per microbatch):
+    the layers are gathered and sharded, the embedding and head ("edges") are kept whole."""
+
+    total: int
+    """Every parameter the stage holds, embedding and head included."""
+    layers: int
+    """Those of its blocks (the model's layers)."""
+    largest_layer: int
+    num_layers: int
+
+    @property
+    def edges(self) -> int:
+        return self.total - self.layers
+
+    @property
+    def gathered(self) -> int:
+        """Layer parameters held whole at once: one block in use while the next gathers."""
+        return min(2 * self.largest_layer, self.layers)
+
+
+def stage_parameter_counts(profile: ModelProfile, layers: tuple[int, int], *, first: bool, last: bool) -> StageParameters:
+    chosen = [b.parameters for b in profile.layers[layers[0] : layers[1]]]
+    total = stage_parameters(profile, layers, first=first, last=last)
+    return StageParameters(total, sum(chosen), max(chosen, default=0), len(chosen))
 
 
 def activation_bytes_per_microbatch(
@@ -148,9 +190,9 @@ class RankMemory:
     """Peak bytes of one rank, by component."""
 
     state_bytes: float
-    """Weights, gradients and the unsharded part of the optimizer state."""
+    """Training state every rank of the stage holds whole (:func:`stage_state_bytes`)."""
     sharded_bytes: float
-    """This rank's share of the sharded optimizer state."""
+    """This rank's share of the sharded training state."""
     activation_bytes: float
     reserve_bytes: float
 
@@ -159,14 +201,26 @@ class RankMemory:
         return self.state_bytes + self.sharded_bytes + self.activation_bytes + self.reserve_bytes
 
 
-def stage_state_bytes(parameters: int, dtype: str, sharding: Sharding) -> tuple[float, float]:
-    """(bytes every rank of the stage holds, bytes the stage shards across its ranks)."""
+def stage_state_bytes(
+    parameters: int | StageParameters, dtype: str, sharding: Sharding, gather_per_microbatch: bool = False
+) -> tuple[float, float]:
+    """(bytes every rank of the stage holds at its peak, bytes the stage shards across its ranks),
+    by sharding level (see the module docstring). Gathering per microbatch needs the stage's
+    :class:`StageParameters` (which of them are layers, and the largest layer)."""
     per = state_bytes_per_parameter(dtype)
+    total = parameters.total if isinstance(parameters, StageParameters) else parameters
     if sharding is Sharding.NONE:
-        return float(parameters * per.total), 0.0
-    if sharding is Sharding.OPTIMIZER:
-        return float(parameters * (per.weights + per.gradients)), float(parameters * per.optimizer)
-    raise PlanningError(f"sharding {sharding.value!r} is not supported by the engine yet; use none or optimizer")
+        return float(total * per.total), 0.0
+    if not gather_per_microbatch:
+        return float(total * (per.weights + per.gradients)), float(total * per.optimizer)
+    if sharding is not Sharding.FULL or not isinstance(parameters, StageParameters):
+        raise PlanningError(
+            f"gathering per microbatch needs sharding 'full' (got {sharding.value!r}) and the stage's layer "
+            f"parameters (StageParameters, got {type(parameters).__name__})"
+        )
+    whole = per.weights + per.gradients
+    held = (parameters.edges + parameters.gathered) * whole
+    return float(held), float(parameters.layers * per.total + parameters.edges * per.optimizer)
 
 
 def shard_fractions_by_free_memory(free_bytes: list[float]) -> tuple[float, ...]:

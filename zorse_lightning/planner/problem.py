@@ -23,13 +23,25 @@ from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
 
 
+SEARCH_SHARDING = Sharding.OPTIMIZER_GRADIENTS
+"""The level the search shards its candidates' stages at (before it unshards those that fit and
+lose nothing). ``optimizer_gradients`` holds and steps what ``optimizer`` does at half its
+traffic (a reduce-scatter of the gradients and an all-gather of the weights, against two
+all-reduces), so ``optimizer`` never wins; ``full`` gathered once per step holds the same at
+its peak and moves the same (its all-gather only moves to before the next step's first
+forward), so it never wins either. ``full`` gathered per microbatch is the one level with
+less memory; the search tries it apart (one-stage plans only)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
     microbatch_size: int
     schedule: Schedule
     sharding: Sharding
-    """For stages of more than one GPU; a one-GPU stage has nothing to shard."""
+    """For stages of more than one GPU; a one-GPU stage has nothing to shard. The program
+    models every level but gathering per microbatch (one-stage plans, made by the search
+    without a program: their one choice, microbatches per GPU, is an even split)."""
     recompute: bool
 
 
@@ -129,7 +141,7 @@ def build_problem(
     profile, m = ctx.profile, candidate.microbatch_size
     num_layers, num_stages = profile.num_layers, len(candidate.layout)
     widths = tuple(len(ranks) for ranks in candidate.layout)
-    gradient_bytes_per_param = state_bytes_per_parameter(profile.dtype).gradients
+    per = state_bytes_per_parameter(profile.dtype)
     message_bytes = max(b.output_bytes_per_sample for b in profile.layers) * m
     tied_ms = tied_sync_ms(ctx, candidate.layout[0], candidate.layout[-1]) if num_stages > 1 else 0.0
     stages, all_groups = [], []
@@ -161,7 +173,7 @@ def build_problem(
                 groups=tuple(costs),
                 latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
                 tail_ms=tuple(
-                    ring_sync_ms(p * gradient_bytes_per_param, len(ranks), bandwidth_gbps, latency_us, sharding is not Sharding.NONE)
+                    ring_sync_ms(p * per.weights, p * per.gradients, len(ranks), bandwidth_gbps, latency_us, sharding)
                     + (tied_ms if first or last else 0.0)
                     + max(_update_ms(ctx, group, p * even_share) for group in groups)
                     for p in params
@@ -181,18 +193,26 @@ def build_problem(
 
 
 def stage_plan(
-    ctx: CostContext, ranks: tuple[int, ...], layers: tuple[int, int], microbatches, sharding: Sharding, recompute: bool
+    ctx: CostContext,
+    ranks: tuple[int, ...],
+    layers: tuple[int, int],
+    microbatches,
+    sharding: Sharding,
+    recompute: bool,
+    gather_per_microbatch: bool = False,
 ) -> StagePlan:
     """A stage of ``ranks`` with their types and machines filled in; one-GPU stages are never sharded."""
     gpus = [ctx.inventory.gpus[r] for r in ranks]
+    sharded = len(ranks) > 1
     return StagePlan(
         ranks=tuple(ranks),
         gpu_types=tuple(g.gpu_type.name for g in gpus),
         machines=tuple(g.machine for g in gpus),
         layers=layers,
         microbatches_per_rank=tuple(microbatches),
-        sharding=sharding if len(ranks) > 1 else Sharding.NONE,
+        sharding=sharding if sharded else Sharding.NONE,
         recompute=recompute,
+        gather_per_microbatch=gather_per_microbatch and sharded,
     )
 
 

@@ -13,10 +13,16 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
    bound is below the best plan, skipping those where it has nothing to choose
-   (one stage of identical GPUs). It runs with the optimizer state sharded (it saves
-   memory, and each GPU steps only its shard) and without recomputation, and with
-   recomputation only when that does not fit; stages that also fit unsharded, and
+   (one stage of identical GPUs). It runs with optimizer state and gradients sharded
+   (:data:`.problem.SEARCH_SHARDING`: it saves memory, each GPU steps only its shard,
+   and it moves no more than an unsharded all-reduce) and without recomputation, and
+   with recomputation only when that does not fit; stages that also fit unsharded, and
    whose longer optimizer step does not lengthen the iteration, are then left unsharded.
+3. One-stage plans with every parameter sharded and gathered block by block for each
+   microbatch (``full``, ``gather_per_microbatch``: the least memory, the most
+   traffic), for the one-stage layouts whose bound is below the best plan: they win
+   where nothing else fits, or where what fits otherwise is slower still
+   (:func:`_gathered_per_microbatch`).
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
 smaller (see :mod:`.compute`).
@@ -27,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
@@ -40,23 +46,28 @@ from zorse_lightning.planner.evaluate import (
     stage_memory,
     stage_own_sync_ms,
     stage_update_ms,
-    update_lower_bound_ms,
     with_stage_costs,
 )
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.heuristic import balanced_plan, speed_by_type
+from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
+    SEARCH_SHARDING,
     Candidate,
     WindowCosts,
     block_extras,
     boundary_transfer_ms,
     build_problem,
+    layout_plan,
     stage_groups,
+    stage_plan,
     to_plan,
+    with_free_memory_shards,
 )
+from zorse_lightning.planner.rounding import proportional_counts
+from zorse_lightning.planner.update import update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 
 
@@ -91,7 +102,7 @@ def make_plan(
         if heuristic is not None and _nothing_to_choose(ctx, layout):
             continue
         for recompute in (False, True):
-            candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
+            candidate = Candidate(layout, m, schedule, SEARCH_SHARDING, recompute)
             problem, groups = build_problem(ctx, windows, candidate, global_batch_size, options.layer_counts)
             start = _start_from(heuristic, groups) if heuristic and heuristic.stages[0].recompute == recompute else None
             assignment = solve_assignment(problem, options.solver_time_limit_s, start)
@@ -100,10 +111,15 @@ def make_plan(
                 plan = to_plan(ctx, candidate, assignment, groups, global_batch_size, notes)
                 best = _faster(best, _priced_unsharded_where_free(ctx, plan))
                 break
+    best = _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, best, notes)
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
-    found_by = best.solver.status if best.solver.name == SOLVER_NAME else "no program beat the heuristic split"
+    found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
     record = SolverRecord(SOLVER_NAME, f"{found_by}; {solves} programs solved", best.solver.objective_ms)
+    if any(s.gather_per_microbatch for s in best.stages):
+        rounds = max(best.stages[0].microbatches_per_rank)
+        notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} rounds of "
+                         f"gathers a step): the fastest plan that fits")
     if best.idle_ranks:
         idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
         notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
@@ -145,9 +161,44 @@ def _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, 
     program's model, whose building costs more: made only when needed)."""
     common = dict(schedule=schedule, recompute=recompute, speeds=speeds)
     yield balanced_plan(ctx, windows, layout, m, global_batch_size, **common)
-    candidate = Candidate(layout, m, schedule, Sharding.OPTIMIZER, recompute)
+    candidate = Candidate(layout, m, schedule, SEARCH_SHARDING, recompute)
     fit = build_problem(ctx, windows, candidate, global_batch_size, None)
     yield balanced_plan(ctx, windows, layout, m, global_batch_size, fit=fit, **common)
+
+
+EVEN_SPLIT = SolverRecord("even split", "one stage gathered per microbatch: microbatches split evenly")
+
+
+def _gathered_per_microbatch(
+    ctx: CostContext, layouts: list[Layout], sizes: list[int], schedule: Schedule, global_batch_size: int,
+    speeds: dict[str, float], best: Plan | None, notes: tuple[str, ...],
+) -> Plan | None:
+    """``best``, or a faster one-stage plan that gathers parameters block by block per microbatch.
+
+    Every GPU of such a stage meets the others in each block's gathers, so a round of
+    microbatches lasts as long as its slowest GPU's, and each GPU makes as many rounds as
+    the busiest has microbatches: the microbatches are split evenly (the remainder to
+    the fastest GPUs), the fewest rounds. Where slow GPUs would hold the others back, the
+    layouts that leave them idle compete. Recomputation only where the plan does not fit
+    without it; layouts whose bound reaches ``best`` are skipped.
+    """
+    if GATHER_PER_MICROBATCH_MAX_STAGES < 1:
+        return best
+    num_layers = ctx.profile.num_layers
+    for (ranks,) in (l for l in layouts if len(l) == 1 and len(l[0]) > 1):
+        order = sorted(ranks, key=lambda r: -speeds[ctx.inventory.gpus[r].gpu_type.name])
+        for m in sizes:
+            if best is not None and _lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= best.predicted.iteration_ms:
+                continue
+            shares = dict(zip(order, proportional_counts(global_batch_size // m, [1.0] * len(order))))
+            for recompute in (False, True):
+                stage = stage_plan(ctx, ranks, (0, num_layers), [shares[r] for r in ranks], Sharding.FULL, recompute, True)
+                plan = layout_plan(ctx, [stage], global_batch_size, m, schedule, solver=EVEN_SPLIT, notes=notes)
+                plan = priced(ctx, with_free_memory_shards(ctx, plan))
+                if plan is not None:
+                    best = _faster(best, plan)
+                    break
+    return best
 
 
 def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:

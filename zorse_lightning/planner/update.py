@@ -11,10 +11,15 @@ touches over the GPU's bandwidth, unless the device measured its own rate
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.profiling.profile import DeviceTimes
 from zorse_lightning.units import gbps_to_bytes_per_s
+
+if TYPE_CHECKING:
+    from zorse_lightning.planner.evaluate import CostContext
 
 ADAM_STEP_BYTES_PER_PARAMETER = 28
 """Memory traffic of one Adam(W) step per parameter, the same in both precisions.
@@ -43,9 +48,33 @@ def optimizer_step_ms(device_times: DeviceTimes, gpu_type: GpuType, parameters_u
 
 
 def parameters_updated(stage_parameters: float, sharding: Sharding, shard_fractions: tuple[float, ...]) -> tuple[float, ...]:
-    """Parameters each rank of a stage steps: its shard of the stage's when the stage shards
-    optimizer state (each rank holds the state of, and steps, only its shard), all of them
-    otherwise (every rank holds the whole state and steps it redundantly)."""
+    """Parameters each rank of a stage steps: its shard of the stage's at every sharded level
+    (``optimizer``, ``optimizer_gradients`` and ``full`` all shard the optimizer state: each rank
+    holds the state of, and steps, only its shard), all of them unsharded (every rank holds the
+    whole state and steps it redundantly)."""
     if sharding is Sharding.NONE:
         return tuple(float(stage_parameters) for _ in shard_fractions)
     return tuple(stage_parameters * fraction for fraction in shard_fractions)
+
+
+def update_lower_bound_ms(ctx: CostContext, ranks: list[int]) -> float:
+    """No plan on ``ranks`` steps its optimizer faster than this: every parameter of the
+    model spread over them in proportion to their speed.
+
+    A stage of ``P`` parameters whose GPUs step one parameter in ``c_r`` ms waits for
+    its slowest, ``max_r f_r P c_r >= P / sum_r 1 / c_r`` for any shares ``f_r``
+    summing to one (all ones unsharded: slower still); the stages' ``P`` add up to at
+    least the model's, so the slowest stage takes at least the model's over the sum of
+    every GPU's ``1 / c_r``.
+    """
+    per_parameter_ms: dict[str, float] = {}
+    speed = 0.0
+    for rank in ranks:
+        gpu_type = ctx.inventory.gpus[rank].gpu_type
+        if gpu_type.name not in per_parameter_ms:
+            per_parameter_ms[gpu_type.name] = optimizer_step_ms(ctx.profile.times(gpu_type.name), gpu_type, 1.0)
+        cost = per_parameter_ms[gpu_type.name]
+        if cost <= 0:
+            return 0.0  # a free step
+        speed += 1.0 / cost
+    return ctx.profile.total_parameters / speed
