@@ -16,6 +16,7 @@ def hand_plan(
     recompute: bool = False,
     inventory: ClusterInventory | None = None,
     idle_ranks: tuple[int, ...] = (),
+    gather_per_microbatch: bool = False,
 ) -> Plan:
     """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``),
     ``idle_ranks`` in no stage."""
@@ -31,6 +32,7 @@ def hand_plan(
                 sharding=sharding,
                 shard_fractions=(shard_fractions or {}).get(index, ()),
                 recompute=recompute,
+                gather_per_microbatch=gather_per_microbatch,
             )
         )
     num_microbatches = sum(stages[0][1])

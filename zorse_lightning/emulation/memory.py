@@ -73,7 +73,8 @@ class _SavedTensor:
     def __init__(self, tensor: torch.Tensor, meter: MemoryMeter) -> None:
         self.tensor = tensor
         self._meter = meter
-        entry = _storage_key_and_bytes(tensor)
+        # A parameter is state, counted as such while it holds values (sharding may free it before backward).
+        entry = None if isinstance(tensor, nn.Parameter) else _storage_key_and_bytes(tensor)
         self._key = None if entry is None else entry[0]
         if entry is not None:
             meter._hold(*entry)
@@ -134,9 +135,13 @@ class MemoryMeter:
             del self._saved[key]
 
     def _signature(self, parameters: tuple[nn.Parameter, ...]) -> tuple:
-        """Which gradient tensors exist and how many parameters have optimizer state: what changes
-        the state's bytes during a step (a gradient allocated or freed, the optimizer's first step)."""
-        return (tuple(id(p.grad) for p in parameters), tuple(len(o.state) for o in self._optimizers))
+        """Which gradient tensors exist, where each parameter's values are (sharding frees and gathers them)
+        and how many parameters have optimizer state: what changes the state's bytes during a step."""
+        return (
+            tuple(id(p.grad) for p in parameters),
+            tuple(p.untyped_storage().data_ptr() for p in parameters if not p.is_meta),
+            tuple(len(o.state) for o in self._optimizers),
+        )
 
     def _count_state(self) -> _StateCount:
         params: dict[int, nn.Parameter] = {}

@@ -33,7 +33,9 @@ from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.materialize import InitialValues, place_on_device
 from zorse_lightning.planner.schedule import ActionKind, build_schedule
-from zorse_lightning.engine.sharding import OptimizerShards, restrict_optimizer
+from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
+from zorse_lightning.engine.sharding import placeholders, restrict_optimizer
+from zorse_lightning.engine.stage_state import ShardedStage
 
 StepFn = Callable[[Any, int], Any]
 
@@ -97,7 +99,7 @@ class PipelineEngine:
         self.forward_schedule = build_schedule(self.plan, forward_only=True)
         self.transport = Transport(device)
         self.cut: StageCut | None = None
-        self.shards: OptimizerShards | None = None
+        self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
         self._replaced: dict[int, nn.Parameter] = {}
@@ -127,8 +129,10 @@ class PipelineEngine:
         Only the stage reaches the device: tensors built on the meta device are
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
-        if self.is_pipelined:
+        blocks = None
+        if self.is_pipelined or self._gathers_per_microbatch:
             blocks = find_block_list(self.module, self.block_path)
+        if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
         if self.groups.is_idle:
             release_module(self.module)
@@ -140,21 +144,34 @@ class PipelineEngine:
             everyone = frozenset({0})
             self._holders = {id(p): everyone for p in self.module.parameters()}
         if not self.groups.is_idle:
-            self._place_stage()
-        if not self.groups.is_idle and self.groups.stage.sharding is not Sharding.NONE:
-            self.shards = OptimizerShards(self.local_parameters(), self.groups)
+            if self.groups.stage.sharding is not Sharding.NONE:
+                self.sharded = ShardedStage(
+                    self.module, self.local_parameters(), self.groups, self.device, blocks.blocks if blocks else None
+                )
+            self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set())
+            if self.sharded:
+                self.sharded.placed(self.local_parameters())
+        stage_wide = self.sharded is None or not self.sharded.reduces_own_gradients
+        own = frozenset({self.groups.stage_index})
         self.reduction = gradients.OverlappedReduction(
-            self._local_with_holders(), self.groups, self.gradient_bucket_bytes
+            [(p, h) for p, h in self._local_with_holders() if stage_wide or h != own], self.groups, self.gradient_bucket_bytes
         )
         self._prepared = True
 
-    def _place_stage(self) -> None:
+    @property
+    def _gathers_per_microbatch(self) -> bool:
+        return not self.groups.is_idle and self.groups.stage.gather_per_microbatch
+
+    def _place_stage(self, received_only: set[int]) -> None:
+        """``received_only``: ids of local parameters this rank only ever receives from their owner (no memory)."""
+
         def wanted(name: str, tensor: torch.Tensor) -> bool:
             if isinstance(tensor, nn.Parameter):
                 return self.groups.stage_index in self._holders.get(id(tensor), ())
             return self.cut is None or self.cut.holds_buffers_of(name)
 
-        swaps = place_on_device(self.module, self.device, wanted, self.initial)
+        swaps = placeholders(self.module, received_only, self.device)
+        swaps += place_on_device(self.module, self.device, wanted, self.initial)
         for swap in swaps:
             if swap.is_parameter and id(swap.old) in self._holders:
                 self._holders[id(swap.new)] = self._holders.pop(id(swap.old))
@@ -197,7 +214,7 @@ class PipelineEngine:
         """Keep in ``optimizer`` only what this rank steps: its stage's weights, or its shard of them."""
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
-        restrict_optimizer(optimizer, self.shards.mine if self.shards else self.local_parameters())
+        restrict_optimizer(optimizer, self.sharded.stepped if self.sharded else self.local_parameters())
 
     # -- one step -----------------------------------------------------------------------
 
@@ -230,12 +247,16 @@ class PipelineEngine:
         weight = self.plan.microbatch_size / self.plan.global_batch_size
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.device)
-        program = (self.schedule if train else self.forward_schedule).for_rank(self.groups.rank)
+        program = self._program(train)
+        if self.sharded is not None:
+            self.sharded.before_run(self.local_parameters())
         backwards = [i for i, action in enumerate(program) if action.kind is ActionKind.BACKWARD]
         arm_at = backwards[-1] if reduce_in_backward and backwards else None
         for i, action in enumerate(program):
             j = action.microbatch
-            if action.kind is ActionKind.FORWARD:
+            if j == EMPTY_ROUND:
+                self._empty_round(action.kind)
+            elif action.kind is ActionKind.FORWARD:
                 micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
                 received, output = self._forward(micro, j, step_fn, train)
                 if self.groups.is_last_stage:
@@ -254,6 +275,23 @@ class PipelineEngine:
         self.transport.wait_sends()
         dist.all_reduce(loss_sum)
         return loss_sum
+
+    def _program(self, train: bool) -> list:
+        """This rank's actions; with weights gathered per microbatch, padded with empty rounds to the stage's
+        busiest rank (every rank makes the same gathers)."""
+        schedule = self.schedule if train else self.forward_schedule
+        program = list(schedule.for_rank(self.groups.rank))
+        if self.sharded is None or self.sharded.gathering is None:
+            return program
+        stage = self.groups.stage
+        busiest = stage.ranks[max(range(len(stage.ranks)), key=lambda i: stage.microbatches_per_rank[i])]
+        return padded_program(program, schedule.for_rank(busiest))
+
+    def _empty_round(self, kind: ActionKind) -> None:
+        if kind is ActionKind.FORWARD:
+            self.sharded.gathering.empty_forward()
+        else:
+            self.sharded.gathering.empty_backward()
 
     def _forward(self, micro: Any, j: int, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
         received = None
@@ -282,6 +320,8 @@ class PipelineEngine:
         else:
             src = self.plan.stages[self.groups.stage_index + 1].rank_of_microbatch(j)
             torch.autograd.backward(output, self.transport.recv_gradient(output, src))
+        if self.sharded is not None and self.sharded.gathering is not None:
+            self.sharded.gathering.finish_backward()
         if received is not None:
             dst = self.plan.stages[self.groups.stage_index - 1].rank_of_microbatch(j)
             self.transport.send_gradient(received.grad, dst)
@@ -291,10 +331,15 @@ class PipelineEngine:
     def reduce_gradients(self) -> None:
         """Sum the gradients over the ranks holding each weight (finishing what ``reduce_in_backward`` started)."""
         self.reduction.finish()
+        if self.sharded is not None:
+            own = frozenset({self.groups.stage_index})
+            with_holders = self._local_with_holders()
+            self.sharded.reduce([p for p, h in with_holders if h == own], [p for p, h in with_holders if h != own])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm, self.device)
+        counts = self.sharded.counts_in_norm if self.sharded is not None else None
+        return gradients.clip_global_norm_(self._local_with_holders(), self.groups, max_norm, self.device, counts)
 
     def after_optimizer_step(self) -> None:
-        if self.shards is not None:
-            self.shards.gather_updates()
+        if self.sharded is not None:
+            self.sharded.after_step(self.local_parameters())

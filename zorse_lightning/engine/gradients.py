@@ -16,7 +16,7 @@ the first ones still compute.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,20 +145,23 @@ class OverlappedReduction:
 
 
 def clip_global_norm_(
-    params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, max_norm: float, device: torch.device
+    params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, max_norm: float, device: torch.device,
+    counts: Callable[[nn.Parameter], bool] | None = None,
 ) -> torch.Tensor:
     """Scale gradients so that their norm over all stages is at most ``max_norm``; returns the norm.
 
-    Gradients are already reduced (equal on every rank of a stage), so each weight
-    is counted once: by the first rank of the first stage that holds it. The sum is
+    Gradients are already reduced, so each weight is counted once, on the first
+    stage that holds it: by the stage's first rank (reduced gradients are equal
+    on every rank of a stage), or by the rank ``counts`` accepts (the owner,
+    where gradients were summed into owners only). The sum is
     all-reduced as a tensor on ``device``, the rank's own, also on a rank that holds
     no weight (idle): NCCL refuses a host tensor.
     """
-    counts_here = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
+    first_rank = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
     norms = [
         p.grad.detach().float().norm(2)
         for p, holders in params
-        if counts_here and min(holders) == groups.stage_index and p.grad is not None
+        if (counts(p) if counts is not None else first_rank) and min(holders) == groups.stage_index and p.grad is not None
     ]
     square = torch.stack(norms).square().sum().to(device) if norms else torch.zeros((), device=device)
     dist.all_reduce(square)

@@ -1,24 +1,51 @@
-"""Optimizer state sharded inside a stage, with the plan's uneven shares.
+"""Training state sharded inside a stage, with the plan's uneven shares.
 
-Parameters are assigned whole and in order: parameter ``i`` goes to the rank
-whose cumulative share contains the middle of its elements, so each rank's
-shard approaches its ``shard_fractions`` entry (exactly so for many small
-tensors). Each rank's optimizer keeps only its own parameters, so only they
-get optimizer state, and steps them; the new values then reach the rest of the
-stage in one all-reduce of the weights (zeros outside each owner's shard).
+Ownership is by whole parameters, so any optimizer steps its shard exactly as
+it would step the whole model (no flattening: Adafactor, LAMB and others that
+look at a tensor's shape see the tensor). The parameters a module owns directly
+go to one rank together (a module is initialised as a whole, so the ones built
+on the meta device get on their owner the values single-process training
+starts from); in order, a module's parameters go to the rank whose cumulative
+share contains their middle, so each rank's shard approaches its
+``shard_fractions`` entry (closely for a model of many modules).
+
+What each level keeps and moves (``StagePlan.sharding``):
+
+* ``optimizer``: every rank holds weights and gradients; gradients are summed
+  over the stage, each owner steps its parameters, the new values reach the
+  stage in one all-reduce of the weights (:meth:`StageShards.gather_updates`).
+* ``optimizer_gradients``: gradients are summed into their owner only
+  (:meth:`StageShards.reduce_to_owners`, one reduce per owner), other ranks
+  drop theirs; owners step, then send the new values
+  (:meth:`StageShards.broadcast_from_owners`).
+* ``full``: a rank keeps the weights it does not own without memory between
+  steps (the tensor keeps its shape, its storage is resized to nothing:
+  autograd, optimizers and hooks keep referring to the same object, and the
+  values gathered back into that storage are what backward reads); they are gathered before the step's first microbatch
+  and freed after the optimizer step, or gathered block by block for each
+  microbatch (:mod:`.block_gathering`).
+
+Uneven shares rule out ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+(equal sizes only, and gloo's list all-gather refuses uneven ones), so each
+owner's tensors travel in one flat buffer with ``reduce`` to it and
+``broadcast`` from it: per rank the bytes of a reduce-scatter and an all-gather,
+on both gloo and NCCL.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.engine.groups import StageGroups
+from zorse_lightning.module.materialize import Swap
 
 
 def assign_shards(numels: list[int], fractions: tuple[float, ...]) -> list[int]:
-    """Owner (index into ``fractions``) of each parameter, given parameter sizes in order."""
+    """Owner (index into ``fractions``) of each item, given item sizes in order."""
     total = sum(numels)
     bounds, running = [], 0.0
     for fraction in fractions:
@@ -32,6 +59,22 @@ def assign_shards(numels: list[int], fractions: tuple[float, ...]) -> list[int]:
     return owners
 
 
+def module_groups(root: nn.Module, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by the module that owns each directly (a shared weight: the first), in module order."""
+    wanted = {id(p) for p in params}
+    seen: set[int] = set()
+    groups = []
+    for module in root.modules():
+        group = []
+        for param in module._parameters.values():
+            if param is not None and id(param) in wanted and id(param) not in seen:
+                seen.add(id(param))
+                group.append(param)
+        if group:
+            groups.append(group)
+    return groups
+
+
 def restrict_optimizer(optimizer: torch.optim.Optimizer, keep: list[nn.Parameter]) -> None:
     """Drop from the optimizer's groups every parameter not in ``keep`` (before its first step)."""
     kept = {id(p) for p in keep}
@@ -41,32 +84,124 @@ def restrict_optimizer(optimizer: torch.optim.Optimizer, keep: list[nn.Parameter
         group["params"] = [p for p in group["params"] if id(p) in kept]
 
 
-class OptimizerShards:
-    """Who steps which parameter of a stage, and the broadcast that follows the step."""
+def free(params: Iterable[nn.Parameter]) -> None:
+    """Release each parameter's values, keeping the object and its shape (optimizers, hooks and autograd
+    refer to it)."""
+    for param in params:
+        param.untyped_storage().resize_(0)
 
-    def __init__(self, params: list[nn.Parameter], groups: StageGroups) -> None:
+
+def _refill(param: nn.Parameter, values: torch.Tensor) -> None:
+    storage = param.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(param.numel() * param.element_size())
+    param.data.copy_(values)
+
+
+def placeholders(root: nn.Module, chosen: set[int], device: torch.device) -> list[Swap]:
+    """Replace each parameter whose ``id`` is in ``chosen`` by one on ``device`` without values (freed, see
+    :func:`free`): a weight this rank will only ever receive needs no memory, host copy or initialisation;
+    a tied weight stays one tensor. Returns what was replaced."""
+    made: dict[int, nn.Parameter] = {}
+    swaps = []
+    for module in root.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or id(param) not in chosen:
+                continue
+            new = made.get(id(param))
+            if new is None:
+                new = made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
+                free([new])
+            module._parameters[key] = new
+            swaps.append(Swap(module, "_parameters", key, param, new))
+    return swaps
+
+
+class StageShards:
+    """Who owns which parameter of a stage, and the collectives that move values between owners and the rest."""
+
+    def __init__(self, groups_of_params: list[list[nn.Parameter]], groups: StageGroups, device: torch.device) -> None:
         self.groups = groups
-        owners = assign_shards([p.numel() for p in params], groups.stage.effective_shard_fractions())
-        self.owned_by = {rank: [] for rank in groups.stage_ranks}
-        for param, owner in zip(params, owners):
-            self.owned_by[groups.stage_ranks[owner]].append(param)
+        self.device = device
+        owners = assign_shards(
+            [sum(p.numel() for p in group) for group in groups_of_params], groups.stage.effective_shard_fractions()
+        )
+        self.owned_by: dict[int, list[nn.Parameter]] = {rank: [] for rank in groups.stage_ranks}
+        self._owner: dict[int, int] = {}
+        for params, owner in zip(groups_of_params, owners):
+            rank = groups.stage_ranks[owner]
+            self.owned_by[rank].extend(params)
+            self._owner.update((id(p), rank) for p in params)
 
     @property
     def mine(self) -> list[nn.Parameter]:
         return self.owned_by[self.groups.rank]
 
+    def owns(self, param: nn.Parameter) -> bool:
+        return self._owner.get(id(param)) == self.groups.rank
+
+    def owner_ids(self) -> dict[int, int]:
+        """Parameter ``id`` -> owning global rank."""
+        return dict(self._owner)
+
     def shard_bytes(self) -> dict[int, int]:
         return {rank: sum(p.numel() * p.element_size() for p in params) for rank, params in self.owned_by.items()}
 
+    def _by_owner(self, params: Iterable[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
+        """``params`` split by owner, owners in stage order (the same on every rank: collectives follow it)."""
+        wanted = {id(p) for p in params}
+        split = [(rank, [p for p in owned if id(p) in wanted]) for rank, owned in self.owned_by.items()]
+        return [(rank, owned) for rank, owned in split if owned]
+
+    @torch.no_grad()
+    def reduce_to_owners(self, params: Iterable[nn.Parameter]) -> None:
+        """Sum each parameter's gradient over the stage into its owner's ``.grad``; the others drop theirs.
+
+        A rank that computed no gradient for a parameter (no microbatch, or an
+        empty round) adds zeros.
+        """
+        for owner, owned in self._by_owner(params):
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=self.device)).reshape(-1) for p in owned])
+            dist.reduce(flat, dst=owner, group=self.groups.stage_group)
+            offset = 0
+            for param in owned:
+                if owner == self.groups.rank:
+                    param.grad = flat[offset : offset + param.numel()].view(param.shape)
+                else:
+                    param.grad = None
+                offset += param.numel()
+
+    @torch.no_grad()
+    def broadcast_from_owners(self, params: Iterable[nn.Parameter]) -> None:
+        """Give every rank of the stage each owner's values of ``params`` (one flat buffer per owner); a
+        freed parameter gets its memory back."""
+        for owner, owned in self._by_owner(params):
+            if owner == self.groups.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in owned])
+            else:
+                flat = torch.empty(sum(p.numel() for p in owned), dtype=owned[0].dtype, device=self.device)
+            dist.broadcast(flat, src=owner, group=self.groups.stage_group)
+            if owner == self.groups.rank:
+                continue
+            offset = 0
+            for param in owned:
+                _refill(param, flat[offset : offset + param.numel()].view(param.shape))
+                offset += param.numel()
+
+    def free_others(self, params: Iterable[nn.Parameter]) -> None:
+        """Free the values (and gradients) of the parameters among ``params`` this rank does not own."""
+        others = [p for p in params if not self.owns(p)]
+        for param in others:
+            param.grad = None
+        free(others)
+
     @torch.no_grad()
     def gather_updates(self) -> None:
-        """After each owner stepped its shard: every rank of the stage gets the new values.
+        """``optimizer`` level, after each owner stepped its shard: every rank of the stage gets the new values.
 
         One all-reduce (a sum) of the stage's weights, each rank filling its own
         shard and zeros elsewhere: exact (x + 0 is x), as cheap as the gradients'
-        all-reduce whatever the shard sizes (an all-gather pads every shard to
-        the largest; gloo's also ran 1.75x slower than its all-reduce on these
-        bytes), and what the cost model prices
+        all-reduce whatever the shard sizes, and what the cost model prices
         (:func:`zorse_lightning.planner.comm.ring_sync_ms`). Gradients of the
         parameters other ranks own are dropped here: this rank's optimizer does
         not know them, so its ``zero_grad`` would leave them to accumulate into

@@ -49,6 +49,12 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
 
 
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has values on this rank: not on the meta device, and not a weight whose storage
+    sharding freed (it keeps its shape; ``engine.sharding.free``)."""
+    return not tensor.is_meta and not (tensor.numel() and tensor.untyped_storage().nbytes() == 0)
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 

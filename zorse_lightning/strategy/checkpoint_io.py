@@ -30,6 +30,7 @@ from zorse_lightning.engine.checkpoint_files import (
 )
 from zorse_lightning.strategy.sampler import SamplerState
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.module.materialize import holds_values
 
 NAMED_STATE_KEY = "zorse_state_by_name"
 
@@ -56,7 +57,7 @@ def _mine(local: dict[str, Any]) -> dict[str, Any]:
 
 
 def held_module_entries(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+    return {k: v for k, v in module.state_dict().items() if not isinstance(v, torch.Tensor) or holds_values(v)}
 
 
 def held_optimizer_entries(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from zorse_lightning.strategy.checkpoint_io import (
 )
 from zorse_lightning.strategy.checkpoint_io import load as load_checkpoint
 from zorse_lightning.strategy.host_copies import HostCopy, copy_to_host, held_on_device, lives_off_host
+from zorse_lightning.module.materialize import holds_values
 
 SURVIVORS_DIR = ".survivors"
 FORMAT = "zorse-survivor"
@@ -128,7 +129,7 @@ def _deserialized(common: bytes) -> dict[str, Any]:
 
 
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    held = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and not t.is_meta]
+    held = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and holds_values(t)]
     for optimizer in optimizers:
         for state in optimizer.state.values():
             held.extend(v for v in state.values() if isinstance(v, torch.Tensor))

@@ -43,7 +43,7 @@ from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.strategy.stage_emulation import StageEmulation
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module, host_group
-from zorse_lightning.module.materialize import InitialValues, has_meta_tensors
+from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
 from zorse_lightning.module.stage_weights import WeightSource
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
@@ -354,7 +354,7 @@ class ZorseStrategy(StepHooks):
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
-            self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
+            self.lightning_module._apply(lambda t: t.cpu() if holds_values(t) else t)
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
