@@ -6,6 +6,8 @@ another: each folder of tests/ is its own import root).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import TensorDataset
@@ -30,13 +32,18 @@ CPU_SIM3 = {
 
 def elastic_plans() -> dict[int, tuple[ClusterInventory, Plan]]:
     """The resume tests' cluster and plan by number of ranks, for :func:`gpt` with a global batch of 16 in
-    microbatches of 2: 4 ranks (cpu_sim4, optimizer state sharded in both stages), 3 (``CPU_SIM3``), 2 (cpu_sim2)."""
+    microbatches of 2, each with other sharding: 4 ranks (cpu_sim4: all state sharded once per step in the
+    first stage, optimizer state and gradients in the second, uneven), 3 (``CPU_SIM3``, unsharded), 2
+    (cpu_sim2: one stage, all state sharded and gathered block by block per microbatch, uneven)."""
     sim4, sim3, sim2 = load_cluster("cpu_sim4"), load_cluster(CPU_SIM3), load_cluster("cpu_sim2")
+    four = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (5, 3), (2, 4))], microbatch_size=2,
+                     sharding=Sharding.FULL, shard_fractions={0: (0.7, 0.3), 1: (0.4, 0.6)}, inventory=sim4)
+    four = replace(four, stages=(four.stages[0], replace(four.stages[1], sharding=Sharding.OPTIMIZER_GRADIENTS)))
     return {
-        4: (sim4, hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (5, 3), (2, 4))], microbatch_size=2,
-                            sharding=Sharding.OPTIMIZER, shard_fractions={0: (0.7, 0.3)}, inventory=sim4)),
+        4: (sim4, four),
         3: (sim3, hand_plan([((0,), (8,), (0, 2)), ((1, 2), (4, 4), (2, 4))], microbatch_size=2, inventory=sim3)),
-        2: (sim2, hand_plan([((0,), (8,), (0, 1)), ((1,), (8,), (1, 4))], microbatch_size=2, inventory=sim2)),
+        2: (sim2, hand_plan([((0, 1), (5, 3), (0, 4))], microbatch_size=2, sharding=Sharding.FULL,
+                            shard_fractions={0: (0.3, 0.7)}, gather_per_microbatch=True, inventory=sim2)),
     }
 
 
