@@ -14,9 +14,12 @@ import torch
 import torch.distributed as dist
 
 from testing.plans import hand_plan
+from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.engine.block_gathering import BlockGathering, block_units
 from zorse_lightning.engine.gradients import clip_global_norm_
 from zorse_lightning.engine.groups import StageGroups
+from zorse_lightning.engine.sharding import StageShards, module_groups
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.strategy.accelerator import cuda_index_for
 from zorse_lightning.strategy.precision import DynamicLossScale
@@ -69,3 +72,42 @@ def test_a_process_that_sees_only_its_own_gpu_uses_cuda_0():
     assert [cuda_index_for(rank, 1) for rank in range(4)] == [0, 0, 0, 0]  # each its own
     with pytest.raises(ZorseUserError, match="local rank 3 sees 2 CUDA devices.*CUDA_VISIBLE_DEVICES"):
         cuda_index_for(3, 2)
+
+
+@pytest.fixture
+def owner_collectives(monkeypatch) -> list[tuple[str, torch.device]]:
+    """(collective, device) of every reduce to an owner and broadcast from one; a tensor elsewhere than the
+    rank's device fails the test."""
+    seen: list[tuple[str, torch.device]] = []
+
+    def recording(name: str):
+        def collective(tensor: torch.Tensor, *args, **kwargs) -> None:
+            seen.append((name, tensor.device))
+            if tensor.device != RANK_DEVICE:
+                raise RuntimeError(f"{name} of a tensor on {tensor.device}; the rank's device is {RANK_DEVICE}")
+
+        return collective
+
+    monkeypatch.setattr(dist, "reduce", recording("reduce"))
+    monkeypatch.setattr(dist, "broadcast", recording("broadcast"))
+    return seen
+
+
+def test_sharded_stage_sends_device_tensors_also_in_empty_rounds(owner_collectives):
+    """A rank with fewer microbatches makes empty rounds: the zeros it sends for gradients it never computed
+    must be made on its device, as must the buffers it receives weights into."""
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4, device=RANK_DEVICE) for _ in range(2)])
+    root = torch.nn.Sequential(torch.nn.Linear(4, 4, device=RANK_DEVICE), *blocks)
+    plan = hand_plan([((0, 1), (3, 1), (0, 2))], inventory=load_cluster("cpu_sim2"), sharding=Sharding.FULL,
+                     shard_fractions={0: (0.5, 0.5)}, gather_per_microbatch=True)
+    groups = StageGroups(plan=plan, rank=1, stage_index=0, stage_group=None, shared_groups={})
+    params = list(root.parameters())
+    shards = StageShards(module_groups(root, params), groups, RANK_DEVICE)
+    gathering = BlockGathering(blocks, block_units(root, blocks, params), shards)
+    gathering.empty_forward()
+    gathering.empty_backward()
+    shards.reduce_to_owners(params[:2])  # the edge (first Linear): no gradient on this rank
+    shards.broadcast_from_owners(params[:2])
+    kinds = [name for name, _ in owner_collectives]
+    assert kinds.count("broadcast") >= 4 and kinds.count("reduce") >= 3, kinds
+    assert {device for _, device in owner_collectives} == {RANK_DEVICE}
