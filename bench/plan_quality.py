@@ -137,16 +137,11 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
     shape = {} if plan is None else {
         "stages": len(plan.stages),
         "idle_gpus": len(plan.idle_ranks),
-        "sharding": ",".join(_sharding_label(s) for s in plan.stages),
+        "sharding": ",".join(s.sharding_label for s in plan.stages),
     }
     return Case(
         cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, compute_bound_ms(inventory, profile, batch), **shape
     )
-
-
-def _sharding_label(stage) -> str:
-    level = getattr(stage.sharding, "value", str(stage.sharding))
-    return f"{level}/microbatch" if getattr(stage, "gather_per_microbatch", False) else level
 
 
 def _ms(value: float | None) -> str:

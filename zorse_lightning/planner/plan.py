@@ -74,6 +74,12 @@ class StagePlan:
     def effective_shard_fractions(self) -> tuple[float, ...]:
         return self.shard_fractions or tuple(1.0 / len(self.ranks) for _ in self.ranks)
 
+    @property
+    def sharding_label(self) -> str:
+        """The sharding level as reports print it: ``full/microbatch`` when gathered block by block
+        per microbatch (``full`` alone: gathered once per step)."""
+        return f"{self.sharding.value}/microbatch" if self.gather_per_microbatch else self.sharding.value
+
 
 @dataclass(frozen=True)
 class Prediction:
