@@ -4,8 +4,10 @@ The module is what a user writes: a LightningModule around ``AutoModelForCausalL
 whose step returns ``self.model(input_ids=x, labels=x).loss``. Each model on
 ``cpu_sim4`` (four emulated GPU types) is (a) planned at start, (b) run on a
 pinned 2-stage pipeline, (c) run on an asymmetric pipeline (stage 0 one A100,
-stage 1 a V100 and two T4s), and (d) stopped after two steps and resumed from the
-checkpoint. Every run must end at the parameters of single-process training from
+stage 1 a V100 and two T4s sharding all training state unevenly, gathered once per
+step), (d) stopped after two steps and resumed from the checkpoint, and (e) run as
+one stage of four ranks with uneven microbatches and shards, each layer gathered
+for each microbatch. Every run must end at the parameters of single-process training from
 the same initial weights on the global batch (4 ranks x a loader batch of 4 = 16,
 as with DDP). Llama, Mistral and Qwen2 pass rotary embeddings and masks to every
 layer as keyword arguments, made once before the layers: they must be real on
@@ -25,6 +27,8 @@ from testing.plans import hand_plan
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning import ZorseStrategy, load_cluster
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.module.materialize import holds_values
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,14 +101,17 @@ def _fit(arch: str, strategy: ZorseStrategy, steps: int, tmp: Path, ckpt_path: P
 
 
 def _difference(module: CausalLm, expected: dict[str, torch.Tensor]) -> float:
-    held = {n: p for n, p in module.named_parameters() if not p.is_meta}
+    held = {n: p for n, p in module.named_parameters() if holds_values(p)}
     return max((held[n].detach() - expected[n]).abs().max().item() for n in held)
 
 
 def _worker(rank: int, tmp: Path) -> dict:
     sim4 = load_cluster("cpu_sim4")
     pinned = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4)
-    asymmetric = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4)
+    asymmetric = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4,
+                           sharding=Sharding.FULL, shard_fractions={1: (0.5, 0.2, 0.3)})
+    gathered = hand_plan([((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))], 2, inventory=sim4, sharding=Sharding.FULL,
+                         shard_fractions={0: (0.4, 0.1, 0.3, 0.2)}, gather_per_microbatch=True)
     results = {}
     for arch in ARCHITECTURES:
         expected = reference(arch)
@@ -114,6 +121,7 @@ def _worker(rank: int, tmp: Path) -> dict:
             "planned_stages": len(planned.plan.stages),
             "pinned": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=pinned), STEPS, tmp), expected),
             "asymmetric": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp), expected),
+            "gathered": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=gathered), STEPS, tmp), expected),
         }
         _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS - 1, tmp)
         resumed = _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
@@ -145,7 +153,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed"])
+@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed", "gathered"])
 def test_trains_as_one_process_does(results, arch, case):
     for rank, result in enumerate(results):
         assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])
