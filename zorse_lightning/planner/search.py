@@ -306,11 +306,12 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
     """The plan, priced, with its stages unsharded where they fit and that is no slower
     (fewer collectives to get wrong); None when it does not fit even sharded.
 
-    Unsharding a stage changes only what it does after its last backward: one
-    all-reduce instead of two (no exchange of updated weights) and a longer
-    optimizer step (each GPU steps all of the stage's parameters). The iteration
-    is the pipeline plus the longest such tail of any stage, so unsharding costs
-    nothing while the stage's new tail stays within the plan's longest.
+    Unsharding a stage changes only what it does after its last backward: an
+    all-reduce instead of a reduce-scatter and an all-gather (the same traffic at
+    ``optimizer_gradients``) and a longer optimizer step (each GPU steps all of the
+    stage's parameters). The iteration is the pipeline plus the longest such tail of
+    any stage, so unsharding costs nothing while the stage's new tail stays within
+    the plan's longest (another stage's, since its own only grows).
     """
     cost = plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
