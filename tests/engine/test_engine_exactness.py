@@ -146,7 +146,10 @@ def _reference(case: Case, batches) -> tuple[dict[str, torch.Tensor], list[float
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         optimizer.step()
         optimizer.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}, losses
+    with torch.no_grad():
+        micro = [(x[i : i + MICROBATCH], y[i : i + MICROBATCH]) for x, y in batches[:1] for i in range(0, len(x), MICROBATCH)]
+        evaluated = [model._loss(m).item() for m in micro]
+    return {n: p.detach() for n, p in model.named_parameters()}, losses, evaluated
 
 
 def _run_case(rank: int, case: Case) -> dict:
@@ -190,11 +193,14 @@ def _run_case(rank: int, case: Case) -> dict:
         optimizer.step()
         engine.after_optimizer_step()
         optimizer.zero_grad()
-    expected, expected_losses = _reference(case, batches)
+    evaluated = engine.evaluate(local(batches[0]), step_fn)  # after the last step: weights gathered anew
+    expected, expected_losses, expected_evaluated = _reference(case, batches)
     held = {n: p for n, p in model.named_parameters(remove_duplicate=False) if holds_values(p)}
     return {
         "max_param_diff": max((((held[n] - expected[n]).abs().max().item()) for n in held if n in expected), default=0.0),
         "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
+        "evaluated_diff": max((abs(v.item() - expected_evaluated[j]) for j, v in evaluated.items()), default=0.0),
+        "evaluated": len(evaluated),
         "held": sorted(held),
         "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
         "optimizer_state_tensors": len(optimizer.state),
@@ -227,7 +233,13 @@ def test_parameters_and_losses_match_single_process(results, case):
     tolerance = 2e-4 if next(c for c in CASES if c.name == case).adamw else 1e-5
     for rank, per_rank in enumerate(results):
         assert per_rank[case]["max_param_diff"] < tolerance, (rank, per_rank[case])
+        assert per_rank[case]["evaluated_diff"] < 1e-5, (rank, per_rank[case])
         assert per_rank[case]["loss_diff"] < 1e-5, (rank, per_rank[case])
+
+
+def test_evaluation_gives_every_microbatch_once(results):
+    for case in CASES:
+        assert sum(r[case.name]["evaluated"] for r in results) == sum(case.stages[0][1]), case.name
 
 
 def test_reduction_starts_during_the_last_backward(results):

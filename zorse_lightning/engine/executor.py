@@ -248,8 +248,7 @@ class PipelineEngine:
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.device)
         program = self._program(train)
-        if self.sharded is not None:
-            self.sharded.before_run(self.local_parameters())
+        gathered = self.sharded is not None and self.sharded.before_run(self.local_parameters())
         backwards = [i for i, action in enumerate(program) if action.kind is ActionKind.BACKWARD]
         arm_at = backwards[-1] if reduce_in_backward and backwards else None
         for i, action in enumerate(program):
@@ -273,6 +272,8 @@ class PipelineEngine:
                     self.reduction.arm()
                 self._backward(j, *saved.pop(j))
         self.transport.wait_sends()
+        if gathered and not train:
+            self.sharded.release(self.local_parameters())
         dist.all_reduce(loss_sum)
         return loss_sum
 

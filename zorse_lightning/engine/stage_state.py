@@ -74,11 +74,18 @@ class ShardedStage:
     def counts_in_norm(self, param: nn.Parameter) -> bool:
         return self.shards.owns(param)
 
-    def before_run(self, local: Sequence[nn.Parameter]) -> None:
-        """``full`` once per step: gather what other ranks own before the first microbatch."""
-        if not self._gathered:
-            self.shards.broadcast_from_owners(local)
-            self._gathered = True
+    def before_run(self, local: Sequence[nn.Parameter]) -> bool:
+        """``full`` once per step: gather what other ranks own before the first microbatch; whether it did."""
+        if self._gathered:
+            return False
+        self.shards.broadcast_from_owners(local)
+        self._gathered = True
+        return True
+
+    def release(self, local: Sequence[nn.Parameter]) -> None:
+        """Free again what :meth:`before_run` gathered (after an evaluation between steps)."""
+        self.shards.free_others(local)
+        self._gathered = False
 
     def _whole(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """Of ``params``, those outside the gathered blocks."""
@@ -104,5 +111,4 @@ class ShardedStage:
         elif self.level is Sharding.OPTIMIZER_GRADIENTS or self.per_microbatch:
             self.shards.broadcast_from_owners(self._whole(local))
         else:
-            self.shards.free_others(local)
-            self._gathered = False
+            self.release(local)
