@@ -118,8 +118,8 @@ def make_plan(
     record = SolverRecord(SOLVER_NAME, f"{found_by}; {solves} programs solved", best.solver.objective_ms)
     if any(s.gather_per_microbatch for s in best.stages):
         rounds = max(best.stages[0].microbatches_per_rank)
-        notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} rounds of "
-                         f"gathers a step): the fastest plan that fits")
+        notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
+                         f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
     if best.idle_ranks:
         idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
         notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
