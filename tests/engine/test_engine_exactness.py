@@ -19,6 +19,7 @@ import torch.distributed as dist
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.groups import build_groups
+from zorse_lightning.engine.sharding import true_numel
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.module.materialize import holds_values
 from testing.launch import spawn_ranks
@@ -206,7 +207,7 @@ def _run_case(rank: int, case: Case) -> dict:
         "optimizer_state_tensors": len(optimizer.state),
         "buckets": len(engine.reduction.buckets),
         "started_in_backward": started_in_backward,
-        "stage_parameters": sum(p.numel() for p in engine.local_parameters()),
+        "stage_parameters": sum(true_numel(p) for p in engine.local_parameters()),
         "held_numel": sum(p.numel() for p in {id(p): p for p in held.values()}.values()),
     }
 

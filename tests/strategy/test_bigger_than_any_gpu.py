@@ -22,9 +22,10 @@ from testing.gpt_reference import STEPS, compare, reference_training
 from testing.launch import spawn_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
-from zorse_lightning import ZorseStrategy, load_cluster
+from zorse_lightning import PlannerOptions, ZorseStrategy, load_cluster
+from zorse_lightning.engine.sharding import true_numel
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.module.materialize import materialize
+from zorse_lightning.module.materialize import holds_values, materialize
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,6 +34,16 @@ CLUSTER = "cpu_sim4_small_memory"
 VOCAB, SEQ = 64, 8
 SHAPE = dict(vocab_size=VOCAB, seq_len=SEQ, width=64, layers=8, heads=2)
 PER_RANK_BATCH = 4
+ONE_STAGE_CLUSTER = load_cluster({
+    "name": "cpu_sim4_3mb", "emulated": True,
+    "machines": [{"name": "localhost", "intra_bandwidth_gbps": 10, "gpus": [
+        {"type": "a100x40", "count": 1, "memory_gib": 0.0028},
+        {"type": "v100x16", "count": 1, "memory_gib": 0.0026},
+        {"type": "t4", "count": 2, "memory_gib": 0.0026},
+    ]}],
+})
+"""Budgets where the four GPUs fit the model as one stage with all state sharded and each block gathered per
+microbatch (the GPT's AdamW state is 2.2x the largest), and nothing less sharded would."""
 PEAK_OVER_PREDICTED = 1.15
 """A rank's measured peak may exceed the plan's predicted memory by this factor at most (what the cost model
 leaves out: transient buffers; measured 0.92 to 0.94 when written)."""
@@ -82,9 +93,10 @@ def _report(strategy: ZorseStrategy, model: pl.LightningModule, expected: dict, 
         "stages": [list(s.ranks) for s in strategy.plan.stages],
         "peak_bytes": emulator.peak_memory_bytes,
         "budget_bytes": emulator.spec.memory_budget_bytes,
+        "sharding": [s.sharding_label for s in strategy.plan.stages],
         "predicted_bytes": None if predicted is None else predicted.memory_gib[rank] * 2**30,
-        "held_parameters": sum(p.numel() for p in model.parameters() if not p.is_meta),
-        "all_parameters": sum(p.numel() for p in model.parameters()),
+        "held_parameters": sum(p.numel() for p in model.parameters() if holds_values(p)),
+        "all_parameters": sum(true_numel(p) for p in model.parameters()),
     }
 
 
@@ -123,6 +135,13 @@ def _worker(rank: int, tmp: Path) -> dict:
         model = GPT(**SHAPE)
     trainer.fit(model, _loader(), ckpt_path=tmp / "two_steps.ckpt")
     results["resumed"] = _report(strategy, model, expected, rank)
+
+    strategy = ZorseStrategy(cluster=ONE_STAGE_CLUSTER, planner_options=PlannerOptions(stage_layout=((0, 1, 2, 3),)))
+    trainer = _trainer(strategy, STEPS, tmp)
+    with trainer.init_module(empty_init=True):
+        model = GPT(**SHAPE)
+    trainer.fit(model, _loader())
+    results["one_stage"] = _report(strategy, model, expected, rank)
     return results
 
 
@@ -138,12 +157,15 @@ def test_training_state_is_over_three_times_the_largest_gpu():
     assert adamw_state_bytes >= 3 * largest_budget, (adamw_state_bytes, largest_budget)
 
 
-@pytest.mark.parametrize("case", ["init_module", "configure_model_pretrained", "resumed"])
+@pytest.mark.parametrize("case", ["init_module", "configure_model_pretrained", "resumed", "one_stage"])
 def test_each_rank_builds_only_its_stage_and_trains_as_one_process(results, case):
     for rank, result in enumerate(results):
         got = result[case]
         assert got["param_diff"] < 1e-5, (rank, case, got)
-        assert len(got["stages"]) > 1, got  # no GPU holds the model: the plan must pipeline it
+        if case == "one_stage":  # all four GPUs in one stage: only all state sharded, gathered per block, fits
+            assert got["sharding"] == ["full/microbatch"], got
+        else:
+            assert len(got["stages"]) > 1, got  # no GPU holds the model: without sharding it all, pipeline it
         assert got["held_parameters"] < got["all_parameters"] / 2, got  # a stage, never the model
         assert got["peak_bytes"] <= got["budget_bytes"], (rank, case, got)
         assert got["peak_bytes"] <= got["predicted_bytes"] * PEAK_OVER_PREDICTED, (rank, case, got)

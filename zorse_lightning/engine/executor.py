@@ -274,6 +274,8 @@ class PipelineEngine:
         self.transport.wait_sends()
         if gathered and not train:
             self.sharded.release(self.local_parameters())
+        if self.sharded is not None:
+            self.sharded.settle(self.local_parameters())
         dist.all_reduce(loss_sum)
         return loss_sum
 

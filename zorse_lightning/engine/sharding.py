@@ -19,11 +19,17 @@ What each level keeps and moves (``StagePlan.sharding``):
   drop theirs; owners step, then send the new values
   (:meth:`StageShards.broadcast_from_owners`).
 * ``full``: a rank keeps the weights it does not own without memory between
-  steps (the tensor keeps its shape, its storage is resized to nothing:
-  autograd, optimizers and hooks keep referring to the same object, and the
-  values gathered back into that storage are what backward reads); they are gathered before the step's first microbatch
+  steps (the same tensor object, so optimizers and hooks keep referring to
+  it); they are gathered before the step's first microbatch
   and freed after the optimizer step, or gathered block by block for each
   microbatch (:mod:`.block_gathering`).
+
+Freed inside a step (:func:`free`), a weight keeps its shape and its storage is
+resized to nothing: autograd keeps the tensor (or a view of it) for backward,
+and the values gathered back into that same storage are what backward reads.
+Between steps (:func:`settle`), the tensor is swapped for an empty one and its
+shape kept aside: code that reads a weight then (a callback, ``state_dict``)
+gets an empty tensor rather than reading memory that is not there.
 
 Uneven shares rule out ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 (equal sizes only, and gloo's list all-gather refuses uneven ones), so each
@@ -34,6 +40,7 @@ on both gloo and NCCL.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -41,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.engine.groups import StageGroups
-from zorse_lightning.module.materialize import Swap
+from zorse_lightning.module.materialize import FREED_SHAPE, Swap
 
 
 def assign_shards(numels: list[int], fractions: tuple[float, ...]) -> list[int]:
@@ -84,14 +91,35 @@ def restrict_optimizer(optimizer: torch.optim.Optimizer, keep: list[nn.Parameter
         group["params"] = [p for p in group["params"] if id(p) in kept]
 
 
+def true_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's shape, also while :func:`settle` left it empty."""
+    return getattr(param, FREED_SHAPE, param.shape)
+
+
+def true_numel(param: nn.Parameter) -> int:
+    return math.prod(true_shape(param))
+
+
 def free(params: Iterable[nn.Parameter]) -> None:
-    """Release each parameter's values, keeping the object and its shape (optimizers, hooks and autograd
-    refer to it)."""
+    """Release each parameter's values inside a step, keeping the object, its shape and its storage (autograd
+    may hold it for backward)."""
     for param in params:
-        param.untyped_storage().resize_(0)
+        if not hasattr(param, FREED_SHAPE):
+            param.untyped_storage().resize_(0)
+
+
+def settle(params: Iterable[nn.Parameter]) -> None:
+    """Between steps: each freed parameter becomes an empty tensor (its shape kept aside), safe to read."""
+    for param in params:
+        if param.numel() and param.untyped_storage().nbytes() == 0:
+            setattr(param, FREED_SHAPE, param.shape)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _refill(param: nn.Parameter, values: torch.Tensor) -> None:
+    if hasattr(param, FREED_SHAPE):
+        param.data = torch.empty(true_shape(param), dtype=param.dtype, device=values.device)
+        delattr(param, FREED_SHAPE)
     storage = param.untyped_storage()
     if storage.nbytes() == 0:
         storage.resize_(param.numel() * param.element_size())
@@ -124,7 +152,7 @@ class StageShards:
         self.groups = groups
         self.device = device
         owners = assign_shards(
-            [sum(p.numel() for p in group) for group in groups_of_params], groups.stage.effective_shard_fractions()
+            [sum(true_numel(p) for p in group) for group in groups_of_params], groups.stage.effective_shard_fractions()
         )
         self.owned_by: dict[int, list[nn.Parameter]] = {rank: [] for rank in groups.stage_ranks}
         self._owner: dict[int, int] = {}
@@ -145,7 +173,7 @@ class StageShards:
         return dict(self._owner)
 
     def shard_bytes(self) -> dict[int, int]:
-        return {rank: sum(p.numel() * p.element_size() for p in params) for rank, params in self.owned_by.items()}
+        return {rank: sum(true_numel(p) * p.element_size() for p in params) for rank, params in self.owned_by.items()}
 
     def _by_owner(self, params: Iterable[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
         """``params`` split by owner, owners in stage order (the same on every rank: collectives follow it)."""
@@ -161,7 +189,7 @@ class StageShards:
         empty round) adds zeros.
         """
         for owner, owned in self._by_owner(params):
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=self.device)).reshape(-1) for p in owned])
+            flat = torch.cat([self._gradient_or_zeros(p).reshape(-1) for p in owned])
             dist.reduce(flat, dst=owner, group=self.groups.stage_group)
             offset = 0
             for param in owned:
@@ -169,7 +197,12 @@ class StageShards:
                     param.grad = flat[offset : offset + param.numel()].view(param.shape)
                 else:
                     param.grad = None
-                offset += param.numel()
+                offset += true_numel(param)
+
+    def _gradient_or_zeros(self, param: nn.Parameter) -> torch.Tensor:
+        if param.grad is not None:
+            return param.grad
+        return torch.zeros(true_shape(param), dtype=param.dtype, device=self.device)
 
     @torch.no_grad()
     def broadcast_from_owners(self, params: Iterable[nn.Parameter]) -> None:
@@ -179,14 +212,14 @@ class StageShards:
             if owner == self.groups.rank:
                 flat = torch.cat([p.detach().reshape(-1) for p in owned])
             else:
-                flat = torch.empty(sum(p.numel() for p in owned), dtype=owned[0].dtype, device=self.device)
+                flat = torch.empty(sum(true_numel(p) for p in owned), dtype=owned[0].dtype, device=self.device)
             dist.broadcast(flat, src=owner, group=self.groups.stage_group)
             if owner == self.groups.rank:
                 continue
             offset = 0
             for param in owned:
-                _refill(param, flat[offset : offset + param.numel()].view(param.shape))
-                offset += param.numel()
+                _refill(param, flat[offset : offset + true_numel(param)].view(true_shape(param)))
+                offset += true_numel(param)
 
     def free_others(self, params: Iterable[nn.Parameter]) -> None:
         """Free the values (and gradients) of the parameters among ``params`` this rank does not own."""

@@ -17,7 +17,7 @@ from torch import nn
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine.block_gathering import BlockGathering, block_units
 from zorse_lightning.engine.groups import StageGroups
-from zorse_lightning.engine.sharding import StageShards, module_groups
+from zorse_lightning.engine.sharding import StageShards, module_groups, settle
 
 
 class ShardedStage:
@@ -61,6 +61,11 @@ class ShardedStage:
         if self.per_microbatch:
             self.gathering = BlockGathering(self.blocks, block_units(self.root, self.blocks, local), self.shards)
         self._gathered = self.level is not Sharding.FULL
+        self.settle(local)
+
+    def settle(self, local: Sequence[nn.Parameter]) -> None:
+        """Make the weights freed during a step safe to read until the next (``sharding.settle``)."""
+        settle(p for p in local if not self.shards.owns(p))
 
     @property
     def reduces_own_gradients(self) -> bool:
@@ -86,6 +91,7 @@ class ShardedStage:
         """Free again what :meth:`before_run` gathered (after an evaluation between steps)."""
         self.shards.free_others(local)
         self._gathered = False
+        self.settle(local)
 
     def _whole(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """Of ``params``, those outside the gathered blocks."""

@@ -49,10 +49,17 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
 
 
+FREED_SHAPE = "_zorse_freed_shape"
+"""Attribute of a parameter whose values sharding released between steps (``engine.sharding.settle``): its
+real shape, while the tensor itself is empty."""
+
+
 def holds_values(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` has values on this rank: not on the meta device, and not a weight whose storage
-    sharding freed (it keeps its shape; ``engine.sharding.free``)."""
-    return not tensor.is_meta and not (tensor.numel() and tensor.untyped_storage().nbytes() == 0)
+    """Whether ``tensor`` has values on this rank: not on the meta device, and not a weight whose values
+    sharding freed (``engine.sharding``)."""
+    if tensor.is_meta or hasattr(tensor, FREED_SHAPE):
+        return False
+    return not (tensor.numel() and tensor.untyped_storage().nbytes() == 0)
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
