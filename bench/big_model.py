@@ -109,7 +109,7 @@ def _worker(rank: int, out_dir: Path, cluster: dict, config: BigModelConfig) -> 
         "budget_bytes": budgets,
         "stages": [
             {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank),
-             "sharding": s.sharding.value, "recompute": s.recompute}
+             "sharding": s.sharding_label, "recompute": s.recompute}
             for s in plan.stages
         ],
         "microbatch_size": plan.microbatch_size,

@@ -47,7 +47,7 @@ def _storage_key_and_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return None
-    return storage.data_ptr(), storage.nbytes()
+    return storage._cdata, storage.nbytes()  # the storage itself: the same while resized (sharding frees so)
 
 
 def _count_new(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -77,7 +77,7 @@ class _SavedTensor:
         entry = None if isinstance(tensor, nn.Parameter) else _storage_key_and_bytes(tensor)
         self._key = None if entry is None else entry[0]
         if entry is not None:
-            meter._hold(*entry)
+            meter._hold(entry[0], tensor.untyped_storage())
 
     def __del__(self) -> None:
         if self._key is not None:
@@ -102,8 +102,9 @@ class MemoryMeter:
     def __init__(self) -> None:
         self._modules: tuple[nn.Module, ...] = ()
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
-        self._saved: dict[int, list[int]] = {}
-        """Storage key -> [bytes, number of saved tensors on it]."""
+        self._saved: dict[int, list] = {}
+        """Storage key -> [the storage, number of saved tensors on it]; its bytes are read when measured (a
+        weight's storage that sharding resized to nothing while autograd keeps a view of it holds nothing)."""
         self._state: _StateCount | None = None
         self.peak_bytes = 0
         self.peak_breakdown: MemoryBreakdown | None = None
@@ -124,8 +125,8 @@ class MemoryMeter:
     def _pack(self, tensor: torch.Tensor) -> _SavedTensor:
         return _SavedTensor(tensor, self)
 
-    def _hold(self, key: int, nbytes: int) -> None:
-        entry = self._saved.setdefault(key, [nbytes, 0])
+    def _hold(self, key: int, storage: torch.UntypedStorage) -> None:
+        entry = self._saved.setdefault(key, [storage, 0])
         entry[1] += 1
 
     def _release(self, key: int) -> None:
@@ -179,7 +180,7 @@ class MemoryMeter:
         state = self._state
         if recount or state is None or self._signature(state.parameters) != state.signature:
             state = self._state = self._count_state()
-        activation_bytes = sum(nbytes for key, (nbytes, _) in self._saved.items() if key not in state.storages)
+        activation_bytes = sum(storage.nbytes() for key, (storage, _) in self._saved.items() if key not in state.storages)
         breakdown = MemoryBreakdown(
             state.parameter_bytes, state.gradient_bytes, state.optimizer_state_bytes, activation_bytes
         )

@@ -57,7 +57,13 @@ def _mine(local: dict[str, Any]) -> dict[str, Any]:
 
 
 def held_module_entries(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in module.state_dict().items() if not isinstance(v, torch.Tensor) or holds_values(v)}
+    """The module's state dict without what this rank holds no values of (asked of the tensors themselves:
+    ``state_dict()`` detaches them, which forgets that sharding freed one)."""
+    return {
+        k: v.detach() if isinstance(v, torch.Tensor) else v
+        for k, v in module.state_dict(keep_vars=True).items()
+        if not isinstance(v, torch.Tensor) or holds_values(v)
+    }
 
 
 def held_optimizer_entries(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
