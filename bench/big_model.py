@@ -67,6 +67,8 @@ class BigModelConfig(BenchConfig):
     layers: int = 8
     seq_len: int = 32
     """Short: a stage's activations must fit beside its share of the weights."""
+    one_stage: int = 0
+    """1: pin one stage of every GPU (the planner then must shard all state), to compare with its choice."""
 
     def state_bytes(self) -> int:
         with torch.device("meta"):
@@ -88,10 +90,12 @@ class BigModelConfig(BenchConfig):
 
 def _worker(rank: int, out_dir: Path, cluster: dict, config: BigModelConfig) -> dict:
     clock = StepClock(lambda trainer: trainer.strategy.emulation.emulator)
-    strategy = ZorseStrategy(
-        cluster=cluster, planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s)
-    )
     world_size = len(cluster["machines"][0]["gpus"])
+    layout = (tuple(range(world_size)),) if config.one_stage else None
+    strategy = ZorseStrategy(
+        cluster=cluster,
+        planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s, stage_layout=layout),
+    )
     trainer = _trainer(strategy, world_size, config, [clock], str(out_dir))
     with trainer.init_module(empty_init=True):
         model = config.model()

@@ -25,7 +25,7 @@ from torch import nn
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine import gradients
 from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
-from zorse_lightning.engine.cutting import StageCut, StageOutput, release_module
+from zorse_lightning.engine.cutting import StageCut, StageOutput, checkpoint_forward, release_module
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport
@@ -130,8 +130,11 @@ class PipelineEngine:
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
         blocks = None
-        if self.is_pipelined or self._gathers_per_microbatch:
+        if self.is_pipelined or self._gathers_per_microbatch or self._recomputes_whole_module:
             blocks = find_block_list(self.module, self.block_path)
+        if self._recomputes_whole_module:  # a pipeline's cut recomputes its own blocks
+            for block in blocks.blocks:
+                block.forward = checkpoint_forward(block.forward)
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
         if self.groups.is_idle:
@@ -157,6 +160,10 @@ class PipelineEngine:
             [(p, h) for p, h in self._local_with_holders() if stage_wide or h != own], self.groups, self.gradient_bucket_bytes
         )
         self._prepared = True
+
+    @property
+    def _recomputes_whole_module(self) -> bool:
+        return not self.is_pipelined and not self.groups.is_idle and self.groups.stage.recompute
 
     @property
     def _gathers_per_microbatch(self) -> bool:
