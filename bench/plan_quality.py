@@ -47,6 +47,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, all_baselines, make_plan
+from zorse_lightning.planner.search import EVEN_SPLIT, ProgramLog, ProgramRun
 from zorse_lightning.profiling import (
     MixedProfileSourcesWarning,
     ModelProfile,
@@ -76,6 +77,10 @@ class Case:
     """GPUs the plan leaves idle (None: no plan)."""
     sharding: str = ""
     """Each stage's sharding level (``full/microbatch``: gathered block by block per microbatch)."""
+    programs: tuple[ProgramRun, ...] = ()
+    """The search's integer programs, each against its heuristic start."""
+    from_program: bool = False
+    """The plan is an integer program's solution (not a heuristic split or an even split)."""
 
     @property
     def ratio_to_bound(self) -> float | None:
@@ -110,25 +115,75 @@ class Case:
             "stages": self.stages,
             "idle_gpus": self.idle_gpus,
             "sharding": self.sharding,
+            "ilp": ilp_summary(list(self.programs)) | {"plan_from_program": self.from_program},
         }
 
 
-def compute_bound_ms(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int) -> float:
-    """Iteration time if every GPU computed layers only, at its per-sample slope (see module docstring)."""
-    per_sample_ms = {
-        t.name: sum(l.forward.slope_ms + l.backward.slope_ms for l in profile.times(t.name).layers)
-        for t in inventory.gpu_types
-    }
-    samples_per_ms = sum(1.0 / per_sample_ms[g.gpu_type.name] for g in inventory.gpus)
-    return global_batch_size / samples_per_ms
+def microbatch_sizes_of(global_batch_size: int, world_size: int, options: PlannerOptions) -> list[int]:
+    """The microbatch sizes any plan of a case may use: the planner's and the baselines' sizes
+    that divide the global batch, and the per-GPU batch (``data_parallel_equal``'s one microbatch)."""
+    sizes = {m for m in options.microbatch_sizes if global_batch_size % m == 0}
+    if global_batch_size % world_size == 0:
+        sizes.add(global_batch_size // world_size)
+    return sorted(sizes)
+
+
+def layer_sample_ms(curve_pair, sizes: list[int]) -> float:
+    """A block's least forward + backward time per sample over ``sizes``, each size priced as the cost
+    model prices it (:meth:`TimeCurve.at`: measured points where present, else the line, floored at
+    ``MIN_BLOCK_TIME_MS``): a line with a negative intercept is below its slope per sample."""
+    return min((curve_pair.forward.at(m) + curve_pair.backward.at(m)) / m for m in sizes)
+
+
+def compute_bound_ms(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, sizes: list[int]) -> float:
+    """Iteration time if every GPU computed layers only, each layer at its least time per sample
+    over the microbatch sizes ``sizes`` (see :func:`layer_sample_ms`), no GPU ever waiting.
+
+    A lower bound in the cost model: a GPU's busy time is at least the sum over the microbatches
+    it runs, through the layers it holds, of each layer's time at the plan's size (recomputation,
+    embedding, head, fill and drain, transfers and the optimizer step only add), which is at least
+    samples x that layer's least time per sample. When every layer of a GPU type costs the same
+    (every reference profile), spreading the ``batch x layers`` layer-samples over the GPUs by speed
+    gives ``batch / sum over GPUs of 1 / (sum over layers of its time per sample)``. When layers differ,
+    a type may be relatively faster on some layers, so the bound is the linear program that assigns
+    layer-samples to GPU types freely (:func:`_assignment_bound_ms`).
+    """
+    per_sample = {t.name: [layer_sample_ms(l, sizes) for l in profile.times(t.name).layers] for t in inventory.gpu_types}
+    if all(len(set(times)) <= 1 for times in per_sample.values()):
+        samples_per_ms = sum(1.0 / sum(per_sample[g.gpu_type.name]) for g in inventory.gpus)
+        return global_batch_size / samples_per_ms
+    counts = {t: sum(g.gpu_type.name == t for g in inventory.gpus) for t in per_sample}
+    return _assignment_bound_ms(per_sample, counts, global_batch_size)
+
+
+def _assignment_bound_ms(per_sample: dict[str, list[float]], counts: dict[str, int], global_batch_size: int) -> float:
+    """Least T such that each layer's ``global_batch_size`` samples, split freely over GPU types, keep every
+    type's work within ``count x T``: no plan assigns layers better."""
+    import pulp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3's notices of PuLP 4's API and CBC extra
+        problem = pulp.LpProblem("compute_bound", pulp.LpMinimize)
+        limit = pulp.LpVariable("T", lowBound=0)
+        share = {
+            (t, l): pulp.LpVariable(f"x_{i}_{l}", lowBound=0) for i, t in enumerate(per_sample) for l in range(len(per_sample[t]))
+        }
+        problem += limit
+        for l in range(len(next(iter(per_sample.values())))):
+            problem += pulp.lpSum(share[t, l] for t in per_sample) == global_batch_size
+        for t, times in per_sample.items():
+            problem += pulp.lpSum(share[t, l] * ms for l, ms in enumerate(times)) <= counts[t] * limit
+        problem.solve(pulp.PULP_CBC_CMD(msg=False))
+    return pulp.value(limit)
 
 
 def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu: int = SAMPLES_PER_GPU) -> Case:
     inventory = load_cluster(cluster)
     profile = reference_profile(model, [t.name for t in inventory.gpu_types], SEQ_LEN, DTYPE)
     batch = samples_per_gpu * inventory.world_size
+    programs = ProgramLog()
     try:
-        plan = make_plan(inventory, profile, batch, options)
+        plan = make_plan(inventory, profile, batch, options, programs)
     except PlanningError:
         plan = None
     baselines = {
@@ -138,10 +193,10 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "stages": len(plan.stages),
         "idle_gpus": len(plan.idle_ranks),
         "sharding": ",".join(s.sharding_label for s in plan.stages),
+        "from_program": not plan.solver.status.startswith(("no program beat", EVEN_SPLIT.status)),
     }
-    return Case(
-        cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, compute_bound_ms(inventory, profile, batch), **shape
-    )
+    bound = compute_bound_ms(inventory, profile, batch, microbatch_sizes_of(batch, inventory.world_size, options))
+    return Case(cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, programs=tuple(programs.runs), **shape)
 
 
 def _ms(value: float | None) -> str:
@@ -172,6 +227,30 @@ def case_table(cases: list[Case], title: str) -> Table:
     return table
 
 
+def ilp_summary(runs: list[ProgramRun]) -> dict:
+    """What the integer programs added: ``programs`` solved; ``compared``: those with a heuristic
+    start and a solution that fits (both priced); ``improved`` / ``worse``: faster / slower than
+    their start; median and max relative gain over the compared ones (percent, negative: slower)
+    and the median over the improving ones; ``beat_best``: faster than every plan the search
+    held before it; ``no_solution``: infeasible or out of memory once priced."""
+    gains = [r.gain for r in runs if r.gain is not None]
+    improving = [g for g in gains if g > SLACK]
+    pct = lambda values, f: None if not values else round(100 * f(values), 3)  # noqa: E731
+    return {
+        "programs": len(runs),
+        "compared": len(gains),
+        "improved": len(improving),
+        "worse": sum(g < -SLACK for g in gains),
+        "median_gain_pct": pct(gains, statistics.median),
+        "median_gain_pct_of_improving": pct(improving, statistics.median),
+        "max_gain_pct": pct(gains, max),
+        "beat_best": sum(
+            r.plan_ms is not None and (r.best_before_ms is None or r.plan_ms < r.best_before_ms * (1 - SLACK)) for r in runs
+        ),
+        "no_solution": sum(r.plan_ms is None for r in runs),
+    }
+
+
 def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> dict:
     ratios = [c.ratio_to_bound for c in cases if c.ratio_to_bound is not None]
     planned = [c for c in cases if c.stages is not None]
@@ -182,6 +261,7 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
         "median_ratio_to_bound": statistics.median(ratios) if ratios else None,
         "median_stages_per_plan": statistics.median(c.stages for c in planned) if planned else None,
         "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
+        "ilp": ilp_summary([r for c in cases for r in c.programs]) | {"plans_from_program": sum(c.from_program for c in cases)},
         "per_case": [c.as_json() for c in cases],
         "allow_idle_ranks": allow_idle_ranks,
         "skipped": [f"{c.cluster}/{c.model}" for c in skipped],
@@ -218,6 +298,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['worse_than_a_baseline']}; missing plans: {result['missing_plans']}; "
         f"median plan / bound: {result['median_ratio_to_bound']:.3f}; median stages per plan: "
         f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}"
+    )
+    ilp = result["ilp"]
+    console.print(
+        f"integer programs: {ilp['programs']} solved, {ilp['compared']} against a fitting heuristic start: "
+        f"{ilp['improved']} faster, {ilp['worse']} slower; gain median {ilp['median_gain_pct']} %, max "
+        f"{ilp['max_gain_pct']} % (median of the faster: {ilp['median_gain_pct_of_improving']} %); "
+        f"{ilp['beat_best']} beat the best plan so far; {ilp['plans_from_program']} final plans from a program"
     )
     print(json.dumps(result))
     return result

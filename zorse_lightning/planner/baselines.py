@@ -1,7 +1,8 @@
 """Baselines in the same cost model, printed beside every plan.
 
 * ``data_parallel_equal``: what ``Trainer(strategy="ddp")`` does: every GPU the same
-  batch, one stage, no accumulation, no sharding;
+  batch, one stage, no sharding, accumulating gradients over equal microbatches
+  where one microbatch per GPU does not fit (or is slower), as DDP users do;
 * ``fastest_type_alone``: the planner on the GPUs of the fastest type only (the
   plan's ranks are those of a sub-cluster; its notes name the GPUs);
 * ``proportional_heuristic``: the Zorse paper's public code: one stage per machine,
@@ -43,16 +44,25 @@ def _sizes(global_batch_size: int, options: PlannerOptions) -> list[int]:
 def data_parallel_equal(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
-    """One stage, the same batch on every GPU in one microbatch (no accumulation, no sharding)."""
+    """One stage, the same batch on every GPU, no sharding, no recomputation: the fastest of
+    the per-GPU batch in one microbatch and, accumulating gradients, in equal microbatches of
+    each size of ``options.microbatch_sizes`` that divides it; None when none fits.
+
+    The note says the accumulation, e.g. ``accumulating 4 microbatches of 8``.
+    """
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
     world = inventory.world_size
     if global_batch_size % world:
         return None
     per_gpu = global_batch_size // world
-    stage = stage_plan(ctx, tuple(range(world)), (0, profile.num_layers), (1,) * world, Sharding.NONE, False)
-    notes = ("baseline: data parallel, equal batches",)
-    plan = layout_plan(ctx, [stage], global_batch_size, per_gpu, Schedule.ONE_F_ONE_B, solver=HEURISTIC, notes=notes)
-    return priced(ctx, plan)
+    plans = []
+    for m in sorted({per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}, reverse=True):
+        count = per_gpu // m
+        stage = stage_plan(ctx, tuple(range(world)), (0, profile.num_layers), (count,) * world, Sharding.NONE, False)
+        how = "one microbatch" if count == 1 else f"accumulating {count} microbatches of {m}"
+        notes = (f"baseline: data parallel, equal batches ({how})",)
+        plans.append(priced(ctx, layout_plan(ctx, [stage], global_batch_size, m, Schedule.ONE_F_ONE_B, solver=HEURISTIC, notes=notes)))
+    return _best(plans)
 
 
 def _best_proportional(ctx, layout, global_batch_size: int, options: PlannerOptions, note: str, **kwargs) -> Plan | None:

@@ -26,12 +26,16 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
 smaller (see :mod:`.compute`).
+
+To measure what the integer programs add, pass a :class:`ProgramLog` to
+:func:`make_plan`: it receives one :class:`ProgramRun` per program solved (the
+heuristic split it started from and its own solution, both priced).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
@@ -71,10 +75,47 @@ from zorse_lightning.planner.update import update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 
 
+@dataclass(frozen=True)
+class ProgramRun:
+    """One integer program of the search, against the heuristic split of its candidate."""
+
+    stages: int
+    microbatch_size: int
+    recompute: bool
+    start_ms: float | None
+    """The candidate's heuristic split, priced (None: none fits)."""
+    warm_started: bool
+    """The program started from that split (it did when the split has the same recomputation)."""
+    plan_ms: float | None
+    """The program's solution, priced as the search keeps it (None: infeasible, or out of memory once priced)."""
+    best_before_ms: float | None
+    """The fastest plan the search held before this program (None: none yet)."""
+
+    @property
+    def gain(self) -> float | None:
+        """Relative improvement on the heuristic split (negative: slower); None without both."""
+        if self.start_ms is None or self.plan_ms is None:
+            return None
+        return (self.start_ms - self.plan_ms) / self.start_ms
+
+
+@dataclass
+class ProgramLog:
+    """Receives every program :func:`make_plan` solves (a recorder the caller owns)."""
+
+    runs: list[ProgramRun] = field(default_factory=list)
+
+    def add(self, run: ProgramRun) -> None:
+        self.runs.append(run)
+
+
 def make_plan(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions(),
+    programs: ProgramLog | None = None,
 ) -> Plan:
-    """The fastest plan the search finds; raises :class:`PlanningError` when none fits."""
+    """The fastest plan the search finds; raises :class:`PlanningError` when none fits.
+
+    ``programs``, when given, receives a :class:`ProgramRun` per integer program solved."""
     started = time.perf_counter()
     _check_inputs(inventory, profile, global_batch_size, options)
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
@@ -107,9 +148,16 @@ def make_plan(
             start = _start_from(heuristic, groups) if heuristic and heuristic.stages[0].recompute == recompute else None
             assignment = solve_assignment(problem, options.solver_time_limit_s, start)
             solves += 1
+            found = assignment and _priced_unsharded_where_free(
+                ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes)
+            )
+            if programs is not None:
+                programs.add(ProgramRun(
+                    len(layout), m, recompute, heuristic and heuristic.predicted.iteration_ms, start is not None,
+                    found and found.predicted.iteration_ms, best and best.predicted.iteration_ms,
+                ))
             if assignment is not None:
-                plan = to_plan(ctx, candidate, assignment, groups, global_batch_size, notes)
-                best = _faster(best, _priced_unsharded_where_free(ctx, plan))
+                best = _faster(best, found)
                 break
     best = _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, best, notes)
     if best is None:
@@ -343,4 +391,4 @@ def _unsharded(stage: StagePlan) -> StagePlan:
     return replace(stage, sharding=Sharding.NONE, shard_fractions=())
 
 
-__all__ = ["make_plan"]
+__all__ = ["ProgramLog", "ProgramRun", "make_plan"]
