@@ -11,22 +11,33 @@ users scale it: 256 to 1024 sequences of 512 tokens on 8 to 32 GPUs, 0.13 to
 0.5 M tokens, below the 0.5 to 1 M tokens models of these sizes are trained
 with (GPT-3's 1.3B to 6.7B: 1 to 2 M). Fewer samples per GPU make pipeline fill
 and drain and per-microbatch intercepts, which the bound leaves out, weigh more:
-at 8 samples per GPU the median ratio to the bound is about 1.6. A case where
+at 8 samples per GPU the median ratio to the bound is about 1.58 (1.46 at 32). A case where
 neither the planner nor any baseline fits in memory (the reference models on the
 emulated ``cpu_sim`` clusters, whose budgets are a few hundred MiB) is listed as
 skipped, not counted.
 
 The compute-only bound is ``global batch / sum over GPUs of 1 / (sum over layers of
-forward + backward slope per sample on that GPU)``: every GPU busy all the time on
-layers only, no intercepts, embedding, head, pipeline fill, communication or memory
-limit. No plan can beat it in this cost model; the ratio plan / bound says how much
-of the cluster's compute a plan leaves unused.
+the layer's least forward + backward time per sample on that GPU)``, least over the
+microbatch sizes a plan of the case may use (:func:`microbatch_sizes_of`), each priced
+as the cost model prices it (measured points, else the line, floored at
+``MIN_BLOCK_TIME_MS``): every GPU busy all the time on layers only, no embedding,
+head, pipeline fill, communication or memory limit. Per-sample slopes are not a
+bound: some reference profiles have negative intercepts (a line below its slope per
+sample), and measured points lie below the line. Where a GPU type's layers differ, a
+linear program assigns layer-samples to types instead (see :func:`compute_bound_ms`).
+No plan can beat it in this cost model; the ratio plan / bound says how much of the
+cluster's compute a plan leaves unused.
+
+The integer programs: :func:`make_plan` records each program it solves
+(:class:`~zorse_lightning.planner.search.ProgramLog`), with the heuristic split it
+started from, both priced; ``ilp`` sums them up (see :func:`ilp_summary`).
 
 The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
 "missing_plans", "median_ratio_to_bound", "median_stages_per_plan",
-"median_idle_gpus_per_plan", "per_case": [...], "allow_idle_ranks", "skipped"}``
+"median_idle_gpus_per_plan", "ilp", "per_case": [...], "allow_idle_ranks", "skipped"}``
 (each case also gives its plan's stages, idle GPUs and sharding per stage: how the
-plan is shaped, beside how fast it is). Goals (issue 3): 0, 0 and at most 1.5.
+plan is shaped, beside how fast it is, and its own ``ilp``). Goals (issue 3): 0, 0
+and at most 1.5.
 """
 
 from __future__ import annotations
@@ -230,7 +241,7 @@ def case_table(cases: list[Case], title: str) -> Table:
 def ilp_summary(runs: list[ProgramRun]) -> dict:
     """What the integer programs added: ``programs`` solved; ``compared``: those with a heuristic
     start and a solution that fits (both priced); ``improved`` / ``worse``: faster / slower than
-    their start; median and max relative gain over the compared ones (percent, negative: slower)
+    their start; median, max and min relative gain over the compared ones (percent, negative: slower)
     and the median over the improving ones; ``beat_best``: faster than every plan the search
     held before it; ``no_solution``: infeasible or out of memory once priced."""
     gains = [r.gain for r in runs if r.gain is not None]
@@ -244,6 +255,7 @@ def ilp_summary(runs: list[ProgramRun]) -> dict:
         "median_gain_pct": pct(gains, statistics.median),
         "median_gain_pct_of_improving": pct(improving, statistics.median),
         "max_gain_pct": pct(gains, max),
+        "min_gain_pct": pct(gains, min),
         "beat_best": sum(
             r.plan_ms is not None and (r.best_before_ms is None or r.plan_ms < r.best_before_ms * (1 - SLACK)) for r in runs
         ),
@@ -303,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(
         f"integer programs: {ilp['programs']} solved, {ilp['compared']} against a fitting heuristic start: "
         f"{ilp['improved']} faster, {ilp['worse']} slower; gain median {ilp['median_gain_pct']} %, max "
-        f"{ilp['max_gain_pct']} % (median of the faster: {ilp['median_gain_pct_of_improving']} %); "
+        f"{ilp['max_gain_pct']} %, min {ilp['min_gain_pct']} % (median of the faster: {ilp['median_gain_pct_of_improving']} %); "
         f"{ilp['beat_best']} beat the best plan so far; {ilp['plans_from_program']} final plans from a program"
     )
     print(json.dumps(result))
