@@ -74,6 +74,13 @@ def test_a_process_that_sees_only_its_own_gpu_uses_cuda_0():
         cuda_index_for(3, 2)
 
 
+class _Done:
+    """A finished collective's handle."""
+
+    def wait(self) -> bool:
+        return True
+
+
 @pytest.fixture
 def owner_collectives(monkeypatch) -> list[tuple[str, torch.device]]:
     """(collective, device) of every reduce to an owner and broadcast from one; a tensor elsewhere than the
@@ -81,10 +88,11 @@ def owner_collectives(monkeypatch) -> list[tuple[str, torch.device]]:
     seen: list[tuple[str, torch.device]] = []
 
     def recording(name: str):
-        def collective(tensor: torch.Tensor, *args, **kwargs) -> None:
+        def collective(tensor: torch.Tensor, *args, async_op: bool = False, **kwargs):
             seen.append((name, tensor.device))
             if tensor.device != RANK_DEVICE:
                 raise RuntimeError(f"{name} of a tensor on {tensor.device}; the rank's device is {RANK_DEVICE}")
+            return _Done() if async_op else None
 
         return collective
 

@@ -4,7 +4,9 @@ parameters outside the blocks (embedding, norm, head) and one block's weights at
 Each block's parameters are gathered from their owners before its forward and
 freed after it; gathered again when the gradient of its output arrives (before
 its backward, or its recomputation), and their gradients are summed into the
-owners once the block's backward is done, then freed with the weights. Owners
+owners once the block's backward is done, then freed with the weights. The
+gather of the block that runs next starts (asynchronously) when a block starts,
+so it overlaps that block's compute: two blocks' weights are held at a time. Owners
 accumulate the sums of every microbatch in ``.grad``; the optimizer steps only
 owned parameters. Parameters outside the blocks are kept whole and reduced to
 their owners once per step, like ``optimizer_gradients``.
@@ -12,7 +14,8 @@ their owners once per step, like ``optimizer_gradients``.
 Every rank of the stage must make the same collectives in the same order. In a
 microbatch (a round) that order is fixed: forward, the gathers of blocks
 ``0..L-1``; backward, for ``k = L-1..0`` the sums of the blocks after ``k`` not
-summed yet, then the gather of ``k``; after backward, the sums left. Autograd
+summed yet, then the gather of ``k - 1`` (``k``'s started before); after
+backward, the sums left. Autograd
 computes a block's weight gradients before the gradient of its input
 (``AccumulateGrad`` runs first), so when block ``k``'s output gradient arrives,
 block ``k + 1`` is done; a gradient that arrives after its block was summed
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from zorse_lightning.engine.sharding import StageShards, free
+from zorse_lightning.engine.sharding import Broadcast, StageShards, free
 from zorse_lightning.planner.schedule import Action, ActionKind
 
 EMPTY_ROUND = -1
@@ -88,6 +91,7 @@ class BlockGathering:
         self.shards = shards
         self._gathered = [False] * len(units)
         self._summed = [False] * len(units)
+        self._prefetched: dict[int, list[Broadcast]] = {}
         self._handles = []
         for k, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(self._before_forward(k)))
@@ -108,6 +112,7 @@ class BlockGathering:
     def _before_forward(self, k: int):
         def hook(module: nn.Module, args: Any) -> None:
             self._gather(k)
+            self._prefetch(k + 1)
 
         return hook
 
@@ -127,6 +132,7 @@ class BlockGathering:
         def hook(gradient: torch.Tensor) -> None:
             self._sum_after(k)
             self._gather(k)
+            self._prefetch(k - 1)
 
         return hook
 
@@ -145,8 +151,13 @@ class BlockGathering:
 
     def _gather(self, k: int) -> None:
         if not self._gathered[k]:
-            self.shards.broadcast_from_owners(self.units[k])
+            self.shards.finish_broadcast(self._prefetched.pop(k, None) or self.shards.start_broadcast(self.units[k]))
             self._gathered[k] = True
+
+    def _prefetch(self, k: int) -> None:
+        """Start gathering the block that runs next while this one computes (one more block's weights held)."""
+        if 0 <= k < len(self.units) and not self._gathered[k] and k not in self._prefetched:
+            self._prefetched[k] = self.shards.start_broadcast(self.units[k])
 
     def _free(self, k: int) -> None:
         if self._gathered[k]:
@@ -171,12 +182,14 @@ class BlockGathering:
     def empty_forward(self) -> None:
         for k in range(len(self.units)):
             self._gather(k)
+            self._prefetch(k + 1)
             self._free(k)
 
     def empty_backward(self) -> None:
         for k in range(len(self.units) - 1, -1, -1):
             self._sum_after(k)
             self._gather(k)
+            self._prefetch(k - 1)
         self.finish_backward()
 
     def remove(self) -> None:

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,6 +147,16 @@ def placeholders(root: nn.Module, chosen: set[int], device: torch.device) -> lis
     return swaps
 
 
+@dataclass
+class Broadcast:
+    """One owner's values on their way to the stage (:meth:`StageShards.start_broadcast`)."""
+
+    owner: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    work: Any
+
+
 class StageShards:
     """Who owns which parameter of a stage, and the collectives that move values between owners and the rest."""
 
@@ -204,21 +216,34 @@ class StageShards:
             return param.grad
         return torch.zeros(true_shape(param), dtype=param.dtype, device=self.device)
 
-    @torch.no_grad()
     def broadcast_from_owners(self, params: Iterable[nn.Parameter]) -> None:
         """Give every rank of the stage each owner's values of ``params`` (one flat buffer per owner); a
         freed parameter gets its memory back."""
+        self.finish_broadcast(self.start_broadcast(params))
+
+    @torch.no_grad()
+    def start_broadcast(self, params: Iterable[nn.Parameter]) -> list[Broadcast]:
+        """Start :meth:`broadcast_from_owners` without waiting (a prefetch: compute goes on meanwhile)."""
+        started = []
         for owner, owned in self._by_owner(params):
             if owner == self.groups.rank:
                 flat = torch.cat([p.detach().reshape(-1) for p in owned])
             else:
                 flat = torch.empty(sum(true_numel(p) for p in owned), dtype=owned[0].dtype, device=self.device)
-            dist.broadcast(flat, src=owner, group=self.groups.stage_group)
-            if owner == self.groups.rank:
+            work = dist.broadcast(flat, src=owner, group=self.groups.stage_group, async_op=True)
+            started.append(Broadcast(owner, owned, flat, work))
+        return started
+
+    @torch.no_grad()
+    def finish_broadcast(self, started: list[Broadcast]) -> None:
+        """Wait for what :meth:`start_broadcast` started and write the received values into the parameters."""
+        for broadcast in started:
+            broadcast.work.wait()
+            if broadcast.owner == self.groups.rank:
                 continue
             offset = 0
-            for param in owned:
-                _refill(param, flat[offset : offset + true_numel(param)].view(true_shape(param)))
+            for param in broadcast.params:
+                _refill(param, broadcast.flat[offset : offset + true_numel(param)].view(true_shape(param)))
                 offset += true_numel(param)
 
     def free_others(self, params: Iterable[nn.Parameter]) -> None:
