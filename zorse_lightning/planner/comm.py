@@ -194,7 +194,11 @@ def gather_round_ms(links: LinkTable, ranks: tuple[int, ...], weight_bytes: floa
     theirs together, spread evenly) is all-gathered before its forward and again
     before its backward, and its gradient reduce-scattered to its owners right after:
     three collectives per block, each paying its own latencies. A rank without a
-    microbatch in the round joins them all the same.
+    microbatch in the round joins them all the same. The engine starts the next
+    block's gather while a block computes; this price does not count on that
+    overlap (measured here, with four gloo processes on two cores, the step took
+    longer than even this price: ``bench/README.md``, big_model), so the planner
+    gathers per microbatch where memory leaves no cheaper choice.
     """
     if len(ranks) <= 1 or num_blocks <= 0:
         return 0.0
