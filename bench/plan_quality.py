@@ -58,6 +58,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, all_baselines, make_plan
+from zorse_lightning.planner.choice import IDLE_MARGIN
 from zorse_lightning.planner.search import EVEN_SPLIT, ProgramLog, ProgramRun
 from zorse_lightning.profiling import (
     MixedProfileSourcesWarning,
@@ -90,6 +91,8 @@ class Case:
     """Each stage's sharding level (``full/microbatch``: gathered block by block per microbatch)."""
     programs: tuple[ProgramRun, ...] = ()
     """The search's integer programs, each against its heuristic start."""
+    idle_baselines: tuple[str, ...] = ()
+    """Baselines whose plan leaves GPUs idle."""
     from_program: bool = False
     """The plan is an integer program's solution (not a heuristic split or an even split)."""
 
@@ -103,8 +106,15 @@ class Case:
 
     @property
     def worse_than_a_baseline(self) -> bool:
-        best = self.best_baseline_ms
-        return self.plan_ms is not None and best is not None and self.plan_ms > best * (1 + SLACK)
+        """Slower than a baseline; a baseline that leaves GPUs idle must be faster by the planner's margin
+        (:data:`~zorse_lightning.planner.choice.IDLE_MARGIN`) than a plan using every GPU."""
+        if self.plan_ms is None:
+            return False
+        for name, ms in self.baselines_ms.items():
+            margin = IDLE_MARGIN if name in self.idle_baselines and not self.idle_gpus else 0.0
+            if ms is not None and self.plan_ms * (1 - margin) > ms * (1 + SLACK):
+                return True
+        return False
 
     @property
     def missing_plan(self) -> bool:
@@ -197,9 +207,9 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         plan = make_plan(inventory, profile, batch, options, programs)
     except PlanningError:
         plan = None
-    baselines = {
-        name: found and found.predicted.iteration_ms for name, found in all_baselines(inventory, profile, batch, options).items()
-    }
+    found_baselines = all_baselines(inventory, profile, batch, options)
+    baselines = {name: found and found.predicted.iteration_ms for name, found in found_baselines.items()}
+    idle_baselines = tuple(name for name, found in found_baselines.items() if found is not None and found.idle_ranks)
     shape = {} if plan is None else {
         "stages": len(plan.stages),
         "idle_gpus": len(plan.idle_ranks),
@@ -207,7 +217,10 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "from_program": not plan.solver.status.startswith(("no program beat", EVEN_SPLIT.status)),
     }
     bound = compute_bound_ms(inventory, profile, batch, microbatch_sizes_of(batch, inventory.world_size, options))
-    return Case(cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, programs=tuple(programs.runs), **shape)
+    return Case(
+        cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, programs=tuple(programs.runs),
+        idle_baselines=idle_baselines, **shape,
+    )
 
 
 def _ms(value: float | None) -> str:

@@ -9,7 +9,8 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
    (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute,
    within each stage's memory when they do not fit otherwise): an upper bound and a
    valid fallback plan.
-   Candidates whose bound reaches the best plan so far are skipped.
+   Candidates whose bound reaches the best plan so far are skipped (a plan that leaves
+   GPUs idle must beat every plan using them all by a margin: :mod:`.choice`).
 2. The integer program runs for the candidates with the best heuristic splits,
    warm-started from them, at most ``max_programs`` times and only while their
    bound is below the best plan, skipping those where it has nothing to choose
@@ -41,6 +42,7 @@ from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Sched
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
+from zorse_lightning.planner.choice import Choice
 from zorse_lightning.planner.evaluate import (
     CostContext,
     memory_overruns,
@@ -129,16 +131,19 @@ def make_plan(
         (_lower_bound_ms(ctx, layout, m, global_batch_size), i, layout, m, schedule)
         for i, (layout, m, schedule) in enumerate((l, m, sc) for l in layouts for m in sizes for sc in schedules)
     )
-    best, scored = None, []
+    choice, scored = Choice(), []
+    world = ctx.inventory.world_size
     for bound, i, layout, m, schedule in bounded:
-        if best is not None and bound >= best.predicted.iteration_ms:
+        if bound >= choice.threshold_ms(uses_every_gpu=True):
             break
+        if bound >= choice.threshold_ms(_uses(layout, world)):
+            continue
         heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
-        best = _faster(best, heuristic)
+        choice.offer(heuristic)
         scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
     for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
-        if best is not None and (solves >= options.max_programs or bound >= best.predicted.iteration_ms):
+        if choice.chosen is not None and (solves >= options.max_programs or bound >= choice.threshold_ms(_uses(layout, world))):
             continue
         if heuristic is not None and _nothing_to_choose(ctx, layout):
             continue
@@ -154,12 +159,13 @@ def make_plan(
             if programs is not None:
                 programs.add(ProgramRun(
                     len(layout), m, recompute, heuristic and heuristic.predicted.iteration_ms, start is not None,
-                    found and found.predicted.iteration_ms, best and best.predicted.iteration_ms,
+                    found and found.predicted.iteration_ms, choice.chosen and choice.chosen.predicted.iteration_ms,
                 ))
             if assignment is not None:
-                best = _faster(best, found)
+                choice.offer(found)
                 break
-    best = _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, best, notes)
+    _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, choice, notes)
+    best = choice.chosen
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
     found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
@@ -168,16 +174,15 @@ def make_plan(
         rounds = max(best.stages[0].microbatches_per_rank)
         notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
-    if best.idle_ranks:
-        idle_types = sorted({inventory.gpus[r].gpu_type.name for r in best.idle_ranks})
-        notes = (*notes, f"ranks {list(best.idle_ranks)} ({', '.join(idle_types)}) stay idle: they would slow the others down")
+    idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
+    if idle_note:
+        notes = (*notes, idle_note)
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 
-def _faster(a: Plan | None, b: Plan | None) -> Plan | None:
-    if a is None or (b is not None and b.predicted.iteration_ms < a.predicted.iteration_ms):
-        return b
-    return a
+def _uses(layout: Layout, world_size: int) -> bool:
+    """Whether ``layout`` puts every GPU of the cluster to work."""
+    return sum(len(ranks) for ranks in layout) == world_size
 
 
 def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
@@ -219,24 +224,24 @@ EVEN_SPLIT = SolverRecord("even split", "one stage gathered per microbatch: micr
 
 def _gathered_per_microbatch(
     ctx: CostContext, layouts: list[Layout], sizes: list[int], schedule: Schedule, global_batch_size: int,
-    speeds: dict[str, float], best: Plan | None, notes: tuple[str, ...],
-) -> Plan | None:
-    """``best``, or a faster one-stage plan that gathers parameters block by block per microbatch.
+    speeds: dict[str, float], choice: Choice, notes: tuple[str, ...],
+) -> None:
+    """Offer ``choice`` the one-stage plans that gather parameters block by block per microbatch.
 
     Every GPU of such a stage meets the others in each block's gathers, so a round of
     microbatches lasts as long as its slowest GPU's, and each GPU makes as many rounds as
     the busiest has microbatches: the microbatches are split evenly (the remainder to
     the fastest GPUs), the fewest rounds. Where slow GPUs would hold the others back, the
     layouts that leave them idle compete. Recomputation only where the plan does not fit
-    without it; layouts whose bound reaches ``best`` are skipped.
+    without it; layouts whose bound cannot change the choice are skipped.
     """
     if GATHER_PER_MICROBATCH_MAX_STAGES < 1:
-        return best
+        return
     num_layers = ctx.profile.num_layers
     for (ranks,) in (l for l in layouts if len(l) == 1 and len(l[0]) > 1):
         order = sorted(ranks, key=lambda r: -speeds[ctx.inventory.gpus[r].gpu_type.name])
         for m in sizes:
-            if best is not None and _lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= best.predicted.iteration_ms:
+            if _lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= choice.threshold_ms(len(ranks) == ctx.inventory.world_size):
                 continue
             shares = dict(zip(order, proportional_counts(global_batch_size // m, [1.0] * len(order))))
             for recompute in (False, True):
@@ -244,9 +249,8 @@ def _gathered_per_microbatch(
                 plan = layout_plan(ctx, [stage], global_batch_size, m, schedule, solver=EVEN_SPLIT, notes=notes)
                 plan = priced(ctx, with_free_memory_shards(ctx, plan))
                 if plan is not None:
-                    best = _faster(best, plan)
+                    choice.offer(plan)
                     break
-    return best
 
 
 def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:
