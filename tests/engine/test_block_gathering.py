@@ -9,7 +9,10 @@ from torch import nn
 from testing.plans import hand_plan
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, block_units, padded_program
+from zorse_lightning.engine.sharding import refill, free, settle, true_numel, true_shape
+from zorse_lightning.module.materialize import holds_values
 from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.strategy.checkpoint_io import held_module_entries
 
 
 def _kinds(program) -> str:
@@ -36,3 +39,18 @@ def test_weights_shared_outside_a_block_are_in_no_unit():
     units = block_units(root, list(blocks), list(root.parameters()))
     assert [[id(p) for p in unit] for unit in units] == [[id(blocks[0].weight)], [id(blocks[1].weight)]]
     assert all(isinstance(p, torch.nn.Parameter) for unit in units for p in unit)
+
+
+def test_a_weight_freed_between_steps_is_an_empty_tensor_that_remembers_its_shape():
+    """Inside a step a freed weight keeps its shape over an empty storage (autograd may hold it); between
+    steps it becomes an empty tensor, safe to read, and refilling it restores shape and values."""
+    layer = nn.Linear(3, 2)
+    values = layer.weight.detach().clone()
+    free([layer.weight])
+    assert layer.weight.shape == (2, 3) and not holds_values(layer.weight)
+    settle([layer.weight])
+    assert layer.weight.numel() == 0 and true_shape(layer.weight) == (2, 3) and true_numel(layer.weight) == 6
+    assert not holds_values(layer.weight) and layer.weight.sum().item() == 0.0  # readable, no crash
+    assert "weight" not in held_module_entries(layer) and "bias" in held_module_entries(layer)
+    refill(layer.weight, values)
+    assert holds_values(layer.weight) and torch.equal(layer.weight, values)

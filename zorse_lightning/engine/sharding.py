@@ -118,7 +118,8 @@ def settle(params: Iterable[nn.Parameter]) -> None:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def _refill(param: nn.Parameter, values: torch.Tensor) -> None:
+def refill(param: nn.Parameter, values: torch.Tensor) -> None:
+    """Give a freed parameter (:func:`free` or :func:`settle`) its memory and shape back, holding ``values``."""
     if hasattr(param, FREED_SHAPE):
         param.data = torch.empty(true_shape(param), dtype=param.dtype, device=values.device)
         delattr(param, FREED_SHAPE)
@@ -243,7 +244,7 @@ class StageShards:
                 continue
             offset = 0
             for param in broadcast.params:
-                _refill(param, broadcast.flat[offset : offset + true_numel(param)].view(true_shape(param)))
+                refill(param, broadcast.flat[offset : offset + true_numel(param)].view(true_shape(param)))
                 offset += true_numel(param)
 
     def free_others(self, params: Iterable[nn.Parameter]) -> None:
