@@ -178,13 +178,20 @@ def _run_case(rank: int, case: Case) -> dict:
     engine.prepare(local(batches[0]), step_fn)
     optimizer = _optimizer(model, case)
     engine.setup_optimizer(optimizer)
-    losses, started_in_backward = [], []
+    held_after_prepare = sum(p.numel() for p in model.parameters() if holds_values(p))
+    losses, started_in_backward, peak_held = [], [], 0
+
+    def counted_step(micro, j):
+        nonlocal peak_held
+        peak_held = max(peak_held, sum(p.numel() for p in model.parameters() if holds_values(p)))
+        return step_fn(micro, j)
+
     for step in range(STEPS):
         total = 0.0
         runs = batches[step * case.accumulate : (step + 1) * case.accumulate]
         for index, batch in enumerate(runs):
             final = case.reduce_in_backward and index == len(runs) - 1
-            loss = engine.run(local(batch), step_fn, loss_scale=1 / case.accumulate, reduce_in_backward=final)
+            loss = engine.run(local(batch), counted_step, loss_scale=1 / case.accumulate, reduce_in_backward=final)
             total += loss.item() / case.accumulate
         losses.append(total)
         started_in_backward.append(engine.reduction.started)
@@ -209,6 +216,8 @@ def _run_case(rank: int, case: Case) -> dict:
         "started_in_backward": started_in_backward,
         "stage_parameters": sum(true_numel(p) for p in engine.local_parameters()),
         "held_numel": sum(p.numel() for p in {id(p): p for p in held.values()}.values()),
+        "held_after_prepare": held_after_prepare,
+        "held_at_a_step_start": peak_held,
     }
 
 
@@ -268,6 +277,8 @@ def test_full_sharding_holds_each_weight_once_between_steps(results, case):
         fractions = case.fractions[stage_index]
         if case.gather_per_microbatch:
             assert max(held) < 0.9 * total, held
+            for run in runs:  # a microbatch starts with no block gathered: never the whole stage at once
+                assert run["held_at_a_step_start"] == run["held_after_prepare"], run
         else:
             assert sum(held) == total, (held, total)
             for fraction, numel in zip(fractions, held):

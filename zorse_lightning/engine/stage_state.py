@@ -44,7 +44,8 @@ class ShardedStage:
         self._units_ids = {id(p) for unit in block_units(root, blocks, local) for p in unit} if self.per_microbatch else None
         self.gathering: BlockGathering | None = None
         self._gathered = True
-        """``full`` gathered once per step: whether the weights of other owners are here now."""
+        """``full`` gathered once per step: whether the weights of other owners are here now (always true at
+        the other levels, and when blocks are gathered one at a time: nothing is gathered whole)."""
 
     def _freed_between_steps(self, param: nn.Parameter) -> bool:
         if self.level is not Sharding.FULL or self.shards.owns(param):
@@ -60,7 +61,7 @@ class ShardedStage:
         self.shards = StageShards(module_groups(self.root, local), self.groups, self.device)
         if self.per_microbatch:
             self.gathering = BlockGathering(self.blocks, block_units(self.root, self.blocks, local), self.shards)
-        self._gathered = self.level is not Sharding.FULL
+        self._gathered = self.level is not Sharding.FULL or self.per_microbatch  # per microbatch: block by block
         self.settle(local)
 
     def settle(self, local: Sequence[nn.Parameter]) -> None:
