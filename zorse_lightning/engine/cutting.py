@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zorse_lightning.module.blocks import BlockList
 from zorse_lightning.module.cut_analysis import CutAnalysis
+from zorse_lightning.module.materialize import replace_parameters
 from zorse_lightning.planner.plan import Plan
 
 META = torch.device("meta")
@@ -94,13 +95,9 @@ def holder_stages(root: nn.Module, blocks: BlockList, analysis: CutAnalysis, pla
 def release_parameters(root: nn.Module, keep: Callable[[nn.Parameter], bool]) -> None:
     """Move every parameter ``keep`` rejects to the meta device; a weight shared by several modules
     (tied embeddings) gets one meta stand-in, so it stays shared."""
-    replacements: dict[int, nn.Parameter] = {}
-    for module in root.modules():
-        for key, param in module._parameters.items():
-            if param is not None and not keep(param):
-                if id(param) not in replacements:
-                    replacements[id(param)] = nn.Parameter(param.detach().to(META), param.requires_grad)
-                module._parameters[key] = replacements[id(param)]
+    replace_parameters(
+        root, lambda param: not keep(param), lambda param: nn.Parameter(param.detach().to(META), param.requires_grad)
+    )
 
 
 def release_module(root: nn.Module) -> None:

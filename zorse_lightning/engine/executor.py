@@ -154,11 +154,10 @@ class PipelineEngine:
             self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set())
             if self.sharded:
                 self.sharded.placed(self.local_parameters())
+        _, shared = self._own_and_shared()
         stage_wide = self.sharded is None or not self.sharded.reduces_own_gradients
-        own = frozenset({self.groups.stage_index})
-        self.reduction = gradients.OverlappedReduction(
-            [(p, h) for p, h in self._local_with_holders() if stage_wide or h != own], self.groups, self.gradient_bucket_bytes
-        )
+        everyone = self._local_with_holders() if stage_wide else [(p, self._holders[id(p)]) for p in shared]
+        self.reduction = gradients.OverlappedReduction(everyone, self.groups, self.gradient_bucket_bytes)
         self._prepared = True
 
     @property
@@ -213,6 +212,12 @@ class PipelineEngine:
     def local_parameters(self) -> list[nn.Parameter]:
         """Parameters this rank holds (each once), in module order (none on an idle rank)."""
         return [p for p in self.module.parameters() if self.groups.stage_index in self._holders.get(id(p), ())]
+
+    def _own_and_shared(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """Local parameters held by this stage alone, and those other stages hold too (a tied embedding)."""
+        own = frozenset({self.groups.stage_index})
+        local = self._local_with_holders()
+        return [p for p, h in local if h == own], [p for p, h in local if h != own]
 
     def _local_with_holders(self) -> list[tuple[nn.Parameter, frozenset[int]]]:
         return [(p, self._holders[id(p)]) for p in self.local_parameters()]
@@ -342,9 +347,7 @@ class PipelineEngine:
         """Sum the gradients over the ranks holding each weight (finishing what ``reduce_in_backward`` started)."""
         self.reduction.finish()
         if self.sharded is not None:
-            own = frozenset({self.groups.stage_index})
-            with_holders = self._local_with_holders()
-            self.sharded.reduce([p for p, h in with_holders if h == own], [p for p, h in with_holders if h != own])
+            self.sharded.reduce(*self._own_and_shared())
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         counts = self.sharded.counts_in_norm if self.sharded is not None else None

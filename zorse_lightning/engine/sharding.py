@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.engine.groups import StageGroups
-from zorse_lightning.module.materialize import FREED_SHAPE, Swap
+from zorse_lightning.module.materialize import FREED_SHAPE, Swap, replace_parameters
 
 
 def assign_shards(numels: list[int], fractions: tuple[float, ...]) -> list[int]:
@@ -133,19 +133,13 @@ def placeholders(root: nn.Module, chosen: set[int], device: torch.device) -> lis
     """Replace each parameter whose ``id`` is in ``chosen`` by one on ``device`` without values (freed, see
     :func:`free`): a weight this rank will only ever receive needs no memory, host copy or initialisation;
     a tied weight stays one tensor. Returns what was replaced."""
-    made: dict[int, nn.Parameter] = {}
-    swaps = []
-    for module in root.modules():
-        for key, param in list(module._parameters.items()):
-            if param is None or id(param) not in chosen:
-                continue
-            new = made.get(id(param))
-            if new is None:
-                new = made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
-                free([new])
-            module._parameters[key] = new
-            swaps.append(Swap(module, "_parameters", key, param, new))
-    return swaps
+
+    def freed(param: nn.Parameter) -> nn.Parameter:
+        new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
+        free([new])
+        return new
+
+    return replace_parameters(root, lambda param: id(param) in chosen, freed)
 
 
 @dataclass
@@ -206,11 +200,9 @@ class StageShards:
             dist.reduce(flat, dst=owner, group=self.groups.stage_group)
             offset = 0
             for param in owned:
-                if owner == self.groups.rank:
-                    param.grad = flat[offset : offset + param.numel()].view(param.shape)
-                else:
-                    param.grad = None
-                offset += true_numel(param)
+                numel = true_numel(param)
+                param.grad = flat[offset : offset + numel].view(true_shape(param)) if owner == self.groups.rank else None
+                offset += numel
 
     def _gradient_or_zeros(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is not None:

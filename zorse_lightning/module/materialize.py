@@ -173,6 +173,24 @@ def _initialise_keeping_shared(
         param.copy_(values)
 
 
+def replace_parameters(
+    root: nn.Module, chosen: Callable[[nn.Parameter], bool], make: Callable[[nn.Parameter], nn.Parameter]
+) -> list[Swap]:
+    """Replace each parameter ``chosen`` accepts by ``make(parameter)``; a weight shared by several modules (tied
+    embeddings) gets one replacement, so it stays shared. Returns what was replaced."""
+    made: dict[int, nn.Parameter] = {}
+    swaps: list[Swap] = []
+    for module in root.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or not chosen(param):
+                continue
+            if id(param) not in made:
+                made[id(param)] = make(param)
+            module._parameters[key] = made[id(param)]
+            swaps.append(Swap(module, "_parameters", key, param, made[id(param)]))
+    return swaps
+
+
 def move_to_device(root: nn.Module, device: torch.device, ids: set[int] | None = None) -> list[Swap]:
     """Put the real tensors (among ``ids``; default all) elsewhere than ``device`` on it; a tied weight stays one tensor."""
     moved: dict[int, torch.Tensor] = {}
