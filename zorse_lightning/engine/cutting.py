@@ -67,19 +67,20 @@ def _meta_state(module: nn.Module) -> Iterator[None]:
 
 
 def holder_stages(root: nn.Module, blocks: BlockList, analysis: CutAnalysis, plan: Plan) -> dict[int, frozenset[int]]:
-    """For each parameter (by ``id``), the stages that hold it."""
-    last = len(plan.stages) - 1
-    everywhere = frozenset(range(last + 1))
-    stage_of_block = {}
+    """For each parameter (by ``id``), the groups of ranks that hold it (the stages, unless interleaved:
+    a group then holds the blocks of all its chunks)."""
+    last = plan.group_of_stage(len(plan.stages) - 1)
+    everywhere = frozenset(range(plan.num_groups))
+    group_of_block = {}
     for index, stage in enumerate(plan.stages):
         for block in range(*stage.layers):
-            stage_of_block[block] = index
+            group_of_block[block] = plan.group_of_stage(index)
     holders: dict[int, set[int]] = {}
     inside_blocks = set()
     for block_index, block in enumerate(blocks.blocks):
         inside_blocks |= {id(m) for m in block.modules()}
         for param in block.parameters():
-            holders.setdefault(id(param), set()).add(stage_of_block[block_index])
+            holders.setdefault(id(param), set()).add(group_of_block[block_index])
     region = {name: {0} for name in analysis.pre_modules}
     for name in analysis.post_modules:
         region.setdefault(name, set()).add(last)
@@ -110,7 +111,11 @@ def release_module(root: nn.Module) -> None:
 
 
 class StageCut:
-    """This rank's stage of the module: patches forwards and frees what other stages hold."""
+    """This rank's stage of the module: patches forwards and frees what other stages hold.
+
+    Interleaved, the rank's group holds several chunks (stages) of the blocks; the executor
+    names the one each action runs in :attr:`active`, and the patched forwards follow it.
+    """
 
     def __init__(
         self,
@@ -121,7 +126,8 @@ class StageCut:
         stage_index: int,
         device: torch.device | None = None,
     ) -> None:
-        """``device``: where this stage computes (the stand-ins of earlier stages' modules are made there)."""
+        """``stage_index``: the rank's group (its first stage); ``device``: where this stage computes
+        (the stand-ins of earlier stages' modules are made there)."""
         self.root = root
         self.device = device or torch.device("cpu")
         self.blocks = blocks
@@ -129,10 +135,30 @@ class StageCut:
         self.plan = plan
         self.stage_index = stage_index
         self.stage = plan.stages[stage_index]
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == len(plan.stages) - 1
+        self.chunks = plan.stages_of_group(stage_index)
+        """The stages this rank runs, in layer order (one unless interleaved)."""
+        self.last_stage = len(plan.stages) - 1
+        self.is_first = 0 in self.chunks
+        self.is_last = self.last_stage in self.chunks
         self.holders = holder_stages(root, blocks, analysis, plan)
         self.incoming: torch.Tensor | None = None
+        self.active = self.chunks[0]
+        """The stage the running action belongs to (set by the executor before each)."""
+
+    def layers_of(self, stage: int) -> tuple[int, int]:
+        return self.plan.stages[stage].layers
+
+    def chunk_of_block(self, index: int) -> int | None:
+        """The rank's stage that holds block ``index``, or None."""
+        return next((s for s in self.chunks if self.layers_of(s)[0] <= index < self.layers_of(s)[1]), None)
+
+    def receives_at(self, index: int) -> bool:
+        """Whether block ``index`` takes the received activation in the running action."""
+        return self.active > 0 and index == self.layers_of(self.active)[0]
+
+    def ends_at(self, index: int) -> bool:
+        """Whether block ``index`` ends the running action's stage (before the model's end)."""
+        return self.active < self.last_stage and index == self.layers_of(self.active)[1] - 1
 
     # -- placement ----------------------------------------------------------------------
 
@@ -141,12 +167,11 @@ class StageCut:
 
     def holds_buffers_of(self, module_name: str) -> bool:
         """Whether this stage keeps the buffers of the named module: all but those of other stages' blocks."""
-        start, end = self.stage.layers
         prefix = f"{self.blocks.path}."
         if not module_name.startswith(prefix):
             return True
         index = list(self.blocks.container._modules).index(module_name[len(prefix):].split(".")[0])
-        return start <= index < end
+        return self.chunk_of_block(index) is not None
 
     def apply(self) -> None:
         """Free other stages' weights and patch the forwards (once, before training)."""
@@ -154,16 +179,14 @@ class StageCut:
         self._free_outside_buffers()
         for index, block in enumerate(self.blocks.blocks):
             block.forward = self._block_forward(index, block.forward)
-        if not self.is_first:
-            for name in self.analysis.pre_modules:
-                module = self.root.get_submodule(name)
-                if module._parameters:  # weights this stage does not hold; buffer-only modules run for real
-                    module.forward = self._stand_in_forward(module, module.forward)
+        for name in self.analysis.pre_modules:
+            module = self.root.get_submodule(name)
+            if module._parameters:  # weights only the first stage uses; buffer-only modules run for real
+                module.forward = self._stand_in_forward(module, module.forward)
 
     def _free_outside_buffers(self) -> None:
-        start, end = self.stage.layers
         for index, block in enumerate(self.blocks.blocks):
-            if not start <= index < end:
+            if self.chunk_of_block(index) is None:
                 for module in block.modules():
                     for key, buffer in module._buffers.items():
                         if buffer is not None:
@@ -172,7 +195,8 @@ class StageCut:
     # -- patched forwards ---------------------------------------------------------------
 
     def _stand_in_forward(self, module: nn.Module, original: Callable) -> Callable:
-        """Zeros of the module's output shapes on the device, without its weights (shapes from a meta run).
+        """Outside the first stage: zeros of the module's output shapes on the device, without its
+        weights (shapes from a meta run).
 
         What the rest of the step computes from them before the blocks (position
         ids, masks, rotary embeddings: the side inputs every block receives) is then
@@ -181,6 +205,8 @@ class StageCut:
         """
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.active == 0:
+                return original(*args, **kwargs)
             with _meta_state(module):
                 shaped = original(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
             return tree_map(self._zeros_like, shaped)
@@ -191,33 +217,27 @@ class StageCut:
         return torch.zeros(value.shape, dtype=value.dtype, device=self.device) if isinstance(value, torch.Tensor) else value
 
     def _block_forward(self, index: int, original: Callable) -> Callable:
-        start, end = self.stage.layers
-        receives = index == start and not self.is_first
-        ends_stage = index == end - 1 and not self.is_last
         compute = checkpoint_forward(original) if self.stage.recompute else original
 
-        def passthrough(*args: Any, **kwargs: Any) -> Any:
-            return args[0]
-
-        def local(*args: Any, **kwargs: Any) -> Any:
-            if receives:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            start, end = self.layers_of(self.active)
+            if index < start:
+                return args[0]  # before the running stage: its input is a stand-in, passed on
+            if index >= end:
+                raise RuntimeError(
+                    f"block {index} of {self.blocks.path} was called on stage {self.active} (layers {start}..{end - 1}) "
+                    f"after the stage's last block; the step caught the stage's end (StageOutput) and went on"
+                )
+            if self.receives_at(index):
                 if self.incoming is None:
                     raise RuntimeError(f"block {index} expects an activation from the previous stage; none was received")
                 args = (self.incoming, *args[1:])
             output = compute(*args, **kwargs)
-            if ends_stage:
+            if self.ends_at(index):
                 raise StageOutput(output)
             return output
 
-        def unreachable(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(
-                f"block {index} of {self.blocks.path} was called on stage {self.stage_index} (layers {start}..{end - 1}) "
-                f"after the stage's last block; the step caught the stage's end (StageOutput) and went on"
-            )
-
-        if index < start:
-            return passthrough
-        return local if index < end else unreachable
+        return forward
 
 
 def checkpoint_forward(original: Callable) -> Callable:

@@ -257,7 +257,8 @@ class PipelineEngine:
             raise RuntimeError("call PipelineEngine.prepare(batch, step_fn) once before the first step")
         share = self._my_share()
         weight = self.plan.microbatch_size / self.plan.global_batch_size
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        last = len(self.plan.stages) - 1
         loss_sum = torch.zeros((), device=self.device)
         program = self._program(train)
         gathered = self.sharded is not None and self.sharded.before_run(self.local_parameters())
@@ -269,8 +270,8 @@ class PipelineEngine:
                 self._empty_round(action.kind)
             elif action.kind is ActionKind.FORWARD:
                 micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
-                received, output = self._forward(micro, j, step_fn, train)
-                if self.groups.is_last_stage:
+                received, output = self._forward(action.stage, micro, j, step_fn, train)
+                if action.stage == last:
                     if outputs is not None:
                         outputs[j] = output
                     if train or _holds_loss(output):
@@ -278,11 +279,11 @@ class PipelineEngine:
                         loss_sum += loss.detach().float() * weight
                         output = loss * (weight * loss_scale)
                 if train:
-                    saved[j] = (received, output)
+                    saved[(action.stage, j)] = (received, output)
             else:
                 if i == arm_at:
                     self.reduction.arm()
-                self._backward(j, *saved.pop(j))
+                self._backward(action.stage, j, *saved.pop((action.stage, j)))
         self.transport.wait_sends()
         if gathered and not train:
             self.sharded.release(self.local_parameters())
@@ -308,37 +309,40 @@ class PipelineEngine:
         else:
             self.sharded.gathering.empty_backward()
 
-    def _forward(self, micro: Any, j: int, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
+    def _forward(self, stage: int, micro: Any, j: int, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
+        """Stage ``stage``'s forward of microbatch ``j`` (one of this rank's stages: several if interleaved)."""
         received = None
-        if not self.groups.is_first_stage:
-            received = self.transport.recv_activation(self.plan.stages[self.groups.stage_index - 1].rank_of_microbatch(j))
+        if self.cut is not None:
+            self.cut.active = stage
+        if stage > 0:
+            received = self.transport.recv_activation(self.plan.stages[stage - 1].rank_of_microbatch(j))
             received.requires_grad_(train)
             self.cut.incoming = received
         try:
             output = step_fn(micro, j)
         except StageOutput as end:
-            self.transport.send_activation(end.output, self.plan.stages[self.groups.stage_index + 1].rank_of_microbatch(j))
+            self.transport.send_activation(end.output, self.plan.stages[stage + 1].rank_of_microbatch(j))
             return received, end.output
         finally:
             if self.cut is not None:
                 self.cut.incoming = None
-        if not self.groups.is_last_stage:
+        if stage < len(self.plan.stages) - 1:
             raise RuntimeError(
-                f"the step of microbatch {j} returned on stage {self.groups.stage_index} without reaching the end of "
-                f"its blocks {self.groups.stage.layers}; does the step run the block list?"
+                f"the step of microbatch {j} returned on stage {stage} without reaching the end of "
+                f"its blocks {self.plan.stages[stage].layers}; does the step run the block list?"
             )
         return received, output
 
-    def _backward(self, j: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
-        if self.groups.is_last_stage:
+    def _backward(self, stage: int, j: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
+        if stage == len(self.plan.stages) - 1:
             torch.autograd.backward(output)
         else:
-            src = self.plan.stages[self.groups.stage_index + 1].rank_of_microbatch(j)
+            src = self.plan.stages[stage + 1].rank_of_microbatch(j)
             torch.autograd.backward(output, self.transport.recv_gradient(output, src))
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
         if received is not None:
-            dst = self.plan.stages[self.groups.stage_index - 1].rank_of_microbatch(j)
+            dst = self.plan.stages[stage - 1].rank_of_microbatch(j)
             self.transport.send_gradient(received.grad, dst)
 
     # -- between backward and optimizer step --------------------------------------------

@@ -59,7 +59,8 @@ class StageGroups:
     plan: Plan
     rank: int
     stage_index: int | None
-    """None on an idle rank (in no stage)."""
+    """The rank's group of ranks, which is also its first stage (interleaved plans give each group
+    several stages: :attr:`stages`); None on an idle rank (in no stage)."""
     stage_group: dist.ProcessGroup | None
     """All ranks of this rank's stage: data-parallel reductions and optimizer shards (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
@@ -75,24 +76,13 @@ class StageGroups:
         return self.plan.stages[self.stage_index]
 
     @property
+    def stages(self) -> tuple[int, ...]:
+        """Every stage this rank runs (one unless interleaved)."""
+        return self.plan.stages_of_group(self.stage_index)
+
+    @property
     def stage_ranks(self) -> tuple[int, ...]:
         return self.stage.ranks
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage_index == len(self.plan.stages) - 1
-
-    @property
-    def previous_stage_ranks(self) -> tuple[int, ...]:
-        return () if self.is_first_stage else self.plan.stages[self.stage_index - 1].ranks
-
-    @property
-    def next_stage_ranks(self) -> tuple[int, ...]:
-        return () if self.is_last_stage else self.plan.stages[self.stage_index + 1].ranks
 
     def group_for_stages(self, stages: frozenset[int]) -> dist.ProcessGroup:
         """The group of all ranks of ``stages`` (which must include this rank's stage)."""
@@ -102,8 +92,8 @@ class StageGroups:
 
 
 def shared_stage_sets(plan: Plan) -> tuple[frozenset[int], ...]:
-    """Sets of several stages that may hold one weight: first with last (tied embeddings), all."""
-    last = len(plan.stages) - 1
+    """Sets of several groups of ranks that may hold one weight: first with last (tied embeddings), all."""
+    last = plan.num_groups - 1
     sets = []
     if last > 0:
         sets.append(frozenset({0, last}))
@@ -121,7 +111,7 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
             f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
             f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
         )
-    stage_groups = [dist.new_group(list(stage.ranks), timeout=timeout) for stage in plan.stages]
+    stage_groups = [dist.new_group(list(stage.ranks), timeout=timeout) for stage in plan.rank_groups]
     shared = {}
     for stages in shared_stage_sets(plan):
         ranks = sorted(r for s in stages for r in plan.stages[s].ranks)

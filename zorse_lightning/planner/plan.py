@@ -2,7 +2,13 @@
 
 Ranks are global ranks of the inventory (:attr:`ClusterInventory.gpus`). Layers
 index the model's block list; the first stage also holds the embedding and the
-last the head. Each stage processes every microbatch of the iteration once,
+last the head.
+
+Interleaving (``Plan.interleave`` = V > 1): ``stages`` lists *virtual* stages,
+contiguous layer chunks in layer order, and the ranks repeat: stage ``s`` runs on
+the group of ranks of stage ``s % G`` (``G`` = ``len(stages) / V`` groups), so each
+group holds V non-adjacent chunks (Megatron's interleaved 1F1B; Zorse chooses V per
+plan). All chunks of a group agree in everything but their layers. Each stage processes every microbatch of the iteration once,
 spread over its ranks by ``microbatches_per_rank`` (uneven, by speed); microbatch
 ``j`` goes to the rank whose contiguous share contains ``j`` (see
 :meth:`StagePlan.rank_of_microbatch`).
@@ -116,6 +122,9 @@ class Plan:
     idle_ranks: tuple[int, ...] = ()
     """Ranks that take no part in training (the plan is faster without them, for example
     behind a slow link): in no stage, no collective, no data."""
+    interleave: int = 1
+    """Layer chunks (virtual stages) each group of ranks holds: 1 is a plain pipeline; V > 1
+    makes ``stages`` V rounds of the same groups (see the module docstring)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -143,7 +152,12 @@ class Plan:
         if not self.stages:
             yield "a plan needs at least one stage"
             return
-        seen = sorted([r for s in self.stages for r in s.ranks] + list(self.idle_ranks))
+        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
+            yield f"interleave={self.interleave!r} must be a whole number >= 1 (1: no interleaving)"
+            return
+        if self.interleave > 1:
+            yield from self._interleave_problems()
+        seen = sorted([r for s in self.rank_groups for r in s.ranks] + list(self.idle_ranks))
         if seen != list(range(self.world_size)):
             yield f"every rank 0..{self.world_size - 1} must be used exactly once (in a stage or idle), got ranks {seen}"
         expected_start = 0
@@ -177,17 +191,58 @@ class Plan:
         if expected_start != self.num_layers:
             yield f"layers cover [0, {expected_start}) but the model has {self.num_layers}"
 
+    def _interleave_problems(self):
+        count, degree = len(self.stages), self.interleave
+        if count % degree or count // degree < 2:
+            yield (
+                f"interleave={degree} needs a multiple of {degree} stages (the chunks of at least 2 groups of ranks), "
+                f"got {count}; use interleave=1 or list each group's {degree} chunks"
+            )
+            return
+        groups = count // degree
+        for index in range(groups, count):
+            mine, group = self.stages[index], self.stages[index % groups]
+            differing = [
+                name for name in StagePlan.__dataclass_fields__ if name != "layers" and getattr(mine, name) != getattr(group, name)
+            ]
+            if differing:
+                yield (
+                    f"stage {index} is chunk {index // groups} of group {index % groups} (interleave={degree}) but differs "
+                    f"from stage {index % groups} in {differing}; chunks of a group differ only in their layers"
+                )
     # -- views --------------------------------------------------------------------------
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.microbatch_size
 
+    @property
+    def num_groups(self) -> int:
+        """Groups of ranks: as many as stages unless interleaved."""
+        return len(self.stages) // self.interleave
+
+    @property
+    def rank_groups(self) -> tuple[StagePlan, ...]:
+        """One stage per group of ranks (its first chunk): each working rank is in exactly one."""
+        return self.stages[: self.num_groups]
+
+    def group_of_stage(self, index: int) -> int:
+        return index % self.num_groups
+
+    def stages_of_group(self, group: int) -> tuple[int, ...]:
+        """The stages (chunks, in layer order) that group ``group`` runs."""
+        return tuple(range(group, len(self.stages), self.num_groups))
+
     def stage_of_rank(self, rank: int) -> int:
-        for index, stage in enumerate(self.stages):
+        """The rank's group of ranks, which is also the index of its first stage."""
+        for index, stage in enumerate(self.rank_groups):
             if rank in stage.ranks:
                 return index
         raise IndexError(f"rank {rank} is in no stage of this plan (world size {self.world_size})")
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """Every stage the rank runs (one unless interleaved)."""
+        return self.stages_of_group(self.stage_of_rank(rank))
 
     # -- JSON ---------------------------------------------------------------------------
 

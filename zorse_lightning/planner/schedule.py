@@ -59,6 +59,9 @@ class Message:
     kind: ActionKind
     """FORWARD: an activation; BACKWARD: the gradient of one."""
     microbatch: int
+    boundary: int
+    """The boundary crossed: between stage ``boundary`` and ``boundary + 1`` (interleaved
+    groups send several boundaries' messages over one channel)."""
 
 
 @dataclass(frozen=True)
@@ -104,18 +107,39 @@ def microbatch_order(plan: Plan) -> tuple[int, ...]:
 
 
 def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
-    """Each rank's actions: GPipe (all forwards, then all backwards) or 1F1B."""
+    """Each rank's actions: GPipe (all forwards, then all backwards) or 1F1B.
+
+    Interleaved GPipe runs breadth first: every microbatch through the rank's first
+    chunk, then its next; backwards from the last chunk back.
+    """
     order = microbatch_order(plan)
     if not forward_only and plan.schedule is Schedule.ONE_F_ONE_B:
         return _one_f_one_b_programs(plan, order)
     programs: list[tuple[Action, ...]] = [()] * plan.world_size
-    for index, stage in enumerate(plan.stages):
+    for group, stage in enumerate(plan.rank_groups):
+        chunks = plan.stages_of_group(group)
         for rank, share in stage.microbatch_ranges().items():
             mine = [j for j in order if j in share]
-            forwards = [Action(index, ActionKind.FORWARD, j) for j in mine]
-            backwards = [Action(index, ActionKind.BACKWARD, j) for j in mine]
+            forwards = [Action(s, ActionKind.FORWARD, j) for s in chunks for j in mine]
+            backwards = [Action(s, ActionKind.BACKWARD, j) for s in reversed(chunks) for j in mine]
             programs[rank] = tuple(forwards) if forward_only else tuple(forwards + backwards)
     return tuple(programs)
+
+
+def one_f_one_b_limit(plan: Plan, group: int) -> int:
+    """Forwards a rank of ``group`` may have in flight (not yet backwarded) under 1F1B.
+
+    Without interleaving: the warm-up of :func:`one_f_one_b_warmup` (the planner's
+    memory model) and the one whose backward comes next. Interleaved, Megatron's
+    warm-up, ``2 (G - g - 1) + (V - 1) G`` chunk-forwards for ``G`` equal groups,
+    with each later group counted ``ceil(w_h / w_g)`` times where widths differ
+    (a narrow group feeding a wide one must give each of its ranks work).
+    """
+    widths = tuple(len(stage.ranks) for stage in plan.rank_groups)
+    if plan.interleave == 1:
+        return one_f_one_b_warmup(widths, group) + 1
+    feeds = [-(-width // widths[group]) for width in widths]
+    return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * sum(feeds) + 1
 
 
 def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
@@ -127,40 +151,32 @@ def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Act
     programs are recorded from a play in unit steps with FIFO channels, the rules
     :func:`play_in_steps` checks: each step every rank runs one action whose inputs are
     at the head of their channels: a forward while fewer than the limit
-    (:func:`one_f_one_b_warmup` + 1, the planner's memory model) are in flight,
-    else a ready backward: the classic warm-up, then one forward, one backward. Only when no rank can move within
+    (:func:`one_f_one_b_limit`) are in flight, else a ready backward: the classic
+    warm-up, then one forward, one backward. Only when no rank can move within
     the limits do ranks exceed them, so the play, and the engine, cannot deadlock.
+
+    Interleaved, a rank prefers its chunk-forwards and chunk-backwards in Megatron's
+    order: ``G`` microbatches through one chunk, then the same ``G`` through the next
+    (backwards from the last chunk), then the next ``G`` microbatches; a ready action
+    runs ahead of an earlier one still waiting for its input.
     """
-    widths = tuple(len(stage.ranks) for stage in plan.stages)
-    last = len(plan.stages) - 1
     state = {}
-    for index, stage in enumerate(plan.stages):
+    for group, stage in enumerate(plan.rank_groups):
+        chunks = plan.stages_of_group(group)
         for rank, share in stage.microbatch_ranges().items():
-            state[rank] = _RankPlay(index, [j for j in order if j in share], one_f_one_b_warmup(widths, index) + 1)
+            mine = [j for j in order if j in share]
+            state[rank] = _RankPlay(chunks, mine, plan.num_groups, one_f_one_b_limit(plan, group))
     channels: dict[tuple[int, int], list[Message]] = {}
 
-    def at_head(src: int, dst: int, kind: ActionKind, microbatch: int) -> bool:
-        queue = channels.get((src, dst), [])
-        return bool(queue) and queue[0].kind is kind and queue[0].microbatch == microbatch
+    def ready(rank: int, action: Action) -> bool:
+        receives, _ = messages_of(plan, rank, action)
+        return all(channels.get((m.src, m.dst), [None])[:1] == [m] for m in receives)
 
-    def ready_backward(rank: int, play: _RankPlay) -> Action | None:
-        for j in play.in_flight:
-            if play.stage == last or at_head(plan.stages[play.stage + 1].rank_of_microbatch(j), rank, ActionKind.BACKWARD, j):
-                return Action(play.stage, ActionKind.BACKWARD, j)
-            if play.stage == last:
-                return None
-        return None
-
-    def ready_forward(rank: int, play: _RankPlay) -> Action | None:
-        for j in play.pending:
-            if play.stage == 0 or at_head(plan.stages[play.stage - 1].rank_of_microbatch(j), rank, ActionKind.FORWARD, j):
-                return Action(play.stage, ActionKind.FORWARD, j)
-            if play.stage == 0:
-                return None
-        return None
+    def first_ready(rank: int, candidates: list[Action]) -> Action | None:
+        return next((action for action in candidates if ready(rank, action)), None)
 
     def choose(rank: int, play: _RankPlay, relaxed: bool) -> Action | None:
-        backward, forward = ready_backward(rank, play), ready_forward(rank, play)
+        backward, forward = first_ready(rank, play.backwards()), first_ready(rank, play.forwards())
         if forward is not None and (len(play.in_flight) < play.limit or (relaxed and backward is None)):
             return forward
         return backward
@@ -188,19 +204,47 @@ def _one_f_one_b_programs(plan: Plan, order: tuple[int, ...]) -> tuple[tuple[Act
 class _RankPlay:
     """One rank's progress during :func:`_one_f_one_b_programs` (local to it)."""
 
-    stage: int
-    pending: list[int]
+    chunks: tuple[int, ...]
+    """The rank's stages, in layer order."""
+    microbatches: list[int]
+    """The rank's share, in the order it walks it."""
+    round_size: int
+    """Microbatches per interleaving round (the number of groups)."""
     limit: int
-    in_flight: list[int] = field(default_factory=list)
+    pending: list[Action] = field(init=False)
+    in_flight: list[Action] = field(default_factory=list)
     program: list[Action] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pending = sorted(
+            (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches),
+            key=lambda action: self._key(action, self.chunks.index(action.stage)),
+        )
+
+    def _key(self, action: Action, chunk: int) -> tuple[int, int, int]:
+        position = self.microbatches.index(action.microbatch)
+        return position // self.round_size, chunk, position % self.round_size
+
+    def forwards(self) -> list[Action]:
+        """Forwards left, in preference order; the first stage's only in microbatch order (later
+        stages take what has arrived: their shares come from several senders)."""
+        first = next((action for action in self.pending if action.stage == 0), None)
+        return [action for action in self.pending if action.stage != 0 or action is first]
+
+    def backwards(self) -> list[Action]:
+        """Backwards of the forwards in flight, in preference order (the last chunk first)."""
+        last = len(self.chunks) - 1
+        flights = sorted(self.in_flight, key=lambda a: self._key(a, last - self.chunks.index(a.stage)))
+        return [Action(a.stage, ActionKind.BACKWARD, a.microbatch) for a in flights]
 
     def run(self, action: Action) -> None:
         self.program.append(action)
+        forward = Action(action.stage, ActionKind.FORWARD, action.microbatch)
         if action.kind is ActionKind.FORWARD:
-            self.pending.remove(action.microbatch)
-            self.in_flight.append(action.microbatch)
+            self.pending.remove(forward)
+            self.in_flight.append(forward)
         else:
-            self.in_flight.remove(action.microbatch)
+            self.in_flight.remove(forward)
 
 
 def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
@@ -208,11 +252,11 @@ def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], l
     last = len(plan.stages) - 1
     j, s = action.microbatch, action.stage
     if action.kind is ActionKind.FORWARD:
-        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j)] if s > 0 else []
-        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j)] if s < last else []
+        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j, s - 1)] if s > 0 else []
+        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j, s)] if s < last else []
     else:
-        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j)] if s < last else []
-        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j)] if s > 0 else []
+        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j, s)] if s < last else []
+        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j, s - 1)] if s > 0 else []
     return recv, send
 
 
@@ -263,9 +307,9 @@ def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward
     kinds = (ActionKind.FORWARD,) if forward_only else (ActionKind.FORWARD, ActionKind.BACKWARD)
     for index, stage in enumerate(plan.stages):
         for rank, share in stage.microbatch_ranges().items():
-            program = programs[rank]
-            if any(a.stage != index for a in program):
-                raise PlanningError(f"rank {rank} of stage {index} has actions of another stage: {program}")
+            if any(a.stage not in plan.stages_of_rank(rank) for a in programs[rank]):
+                raise PlanningError(f"rank {rank} of stage {index} has actions of another group's stage: {programs[rank]}")
+            program = [a for a in programs[rank] if a.stage == index]
             for kind in kinds:
                 done = sorted(a.microbatch for a in program if a.kind is kind)
                 if done != list(share):

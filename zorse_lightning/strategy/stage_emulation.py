@@ -70,8 +70,7 @@ def _stage_modules(
     for the whole model at start-up, and agreeing costs over ranks never lends
     one module's cost to another.
     """
-    start, end = cut.stage.layers
-    here = {id(b) for b in cut.blocks.blocks[start:end]}
+    here = {id(b) for stage in cut.chunks for b in cut.blocks.blocks[slice(*cut.layers_of(stage))]}
     for names, runs_here in ((cut.analysis.pre_modules, cut.is_first), (cut.analysis.post_modules, cut.is_last)):
         if runs_here:
             here.update(id(m) for name in names for m in root.get_submodule(name).modules())
@@ -95,42 +94,48 @@ class _StageBoundaries:
 
     def __init__(self, cut: StageCut) -> None:
         self._handles: list[RemovableHandle] = []
-        self._patched: tuple[nn.Module, Any] | None = None
-        start, end = cut.stage.layers
-        if not cut.is_first:
-            first = cut.blocks.blocks[start]
+        self._patched: list[tuple[nn.Module, Any]] = []
+        for stage in cut.chunks:  # interleaved: every chunk's ends, each active only while its stage runs
+            start, end = cut.layers_of(stage)
+            if stage > 0:
+                self._receive_at(cut, start)
+            if stage < cut.last_stage:
+                self._end_at(cut, end - 1)
 
-            def receive(module: nn.Module, args: tuple) -> tuple | None:
-                return None if cut.incoming is None else (cut.incoming, *args[1:])
+    def _receive_at(self, cut: StageCut, index: int) -> None:
+        def receive(module: nn.Module, args: tuple) -> tuple | None:
+            return (cut.incoming, *args[1:]) if cut.receives_at(index) and cut.incoming is not None else None
 
-            def hand_marked(module: nn.Module, args: tuple) -> None:
-                if cut.incoming is not None:
-                    cut.incoming = args[0]
+        def hand_marked(module: nn.Module, args: tuple) -> None:
+            if cut.receives_at(index) and cut.incoming is not None:
+                cut.incoming = args[0]
 
-            self._handles.append(first.register_forward_pre_hook(receive, prepend=True))
-            self._handles.append(first.register_forward_pre_hook(hand_marked))
-        if not cut.is_last:
-            last = cut.blocks.blocks[end - 1]
-            raising = last.forward
+        first = cut.blocks.blocks[index]
+        self._handles.append(first.register_forward_pre_hook(receive, prepend=True))
+        self._handles.append(first.register_forward_pre_hook(hand_marked))
 
-            def returning(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return raising(*args, **kwargs)
-                except StageOutput as end_of_stage:
-                    return end_of_stage.output
+    def _end_at(self, cut: StageCut, index: int) -> None:
+        last = cut.blocks.blocks[index]
+        raising = last.forward
 
-            def end_stage(module: nn.Module, args: tuple, output: Any) -> None:
+        def returning(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return raising(*args, **kwargs)
+            except StageOutput as end_of_stage:
+                return end_of_stage.output
+
+        def end_stage(module: nn.Module, args: tuple, output: Any) -> None:
+            if cut.ends_at(index):
                 raise StageOutput(output)
 
-            last.forward = returning
-            self._patched = (last, raising)
-            self._handles.append(last.register_forward_hook(end_stage))
+        last.forward = returning
+        self._patched.append((last, raising))
+        self._handles.append(last.register_forward_hook(end_stage))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._patched is not None:
-            module, forward = self._patched
+        for module, forward in self._patched:
             module.forward = forward
-            self._patched = None
+        self._patched.clear()
