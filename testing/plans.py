@@ -17,9 +17,12 @@ def hand_plan(
     inventory: ClusterInventory | None = None,
     idle_ranks: tuple[int, ...] = (),
     gather_per_microbatch: bool = False,
+    interleave: int = 1,
 ) -> Plan:
     """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``),
-    ``idle_ranks`` in no stage."""
+    ``idle_ranks`` in no stage; ``interleave`` > 1: the stages are virtual ones, the groups' chunks in
+    layer order (``shard_fractions`` then by group)."""
+    groups = len(stages) // interleave
     built = []
     for index, (ranks, counts, layers) in enumerate(stages):
         built.append(
@@ -30,7 +33,7 @@ def hand_plan(
                 layers=layers,
                 microbatches_per_rank=counts,
                 sharding=sharding,
-                shard_fractions=(shard_fractions or {}).get(index, ()),
+                shard_fractions=(shard_fractions or {}).get(index % groups, ()),
                 recompute=recompute,
                 gather_per_microbatch=gather_per_microbatch,
             )
@@ -40,10 +43,11 @@ def hand_plan(
         model="test",
         cluster="test",
         num_layers=stages[-1][2][1],
-        world_size=sum(len(s[0]) for s in stages) + len(idle_ranks),
+        world_size=sum(len(s[0]) for s in stages[:groups]) + len(idle_ranks),
         global_batch_size=num_microbatches * microbatch_size,
         microbatch_size=microbatch_size,
         schedule=schedule,
         stages=tuple(built),
         idle_ranks=idle_ranks,
+        interleave=interleave,
     )

@@ -50,6 +50,7 @@ class Case:
     gather_per_microbatch: bool = False
     idle: tuple[int, ...] = ()
     adamw: bool = False
+    interleave: int = 1
 
 
 CASES = [
@@ -110,6 +111,31 @@ CASES = [
         adamw=True,
         reduce_in_backward=False,
     ),
+    Case(
+        "interleaved_two_groups_uneven_1f1b_accumulate_clip",
+        [((0, 1), (3, 1), (0, 1)), ((2, 3), (1, 3), (1, 2)), ((0, 1), (3, 1), (2, 3)), ((2, 3), (1, 3), (3, 4))],
+        interleave=2,
+        clip=0.05,
+        accumulate=2,
+    ),
+    Case(
+        "interleaved_one_then_three_gpipe_optimizer_gradients_recompute",
+        [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 2)), ((0,), (8,), (2, 3)), ((1, 2, 3), (5, 2, 1), (3, 4))],
+        schedule=Schedule.GPIPE,
+        sharding=Sharding.OPTIMIZER_GRADIENTS,
+        fractions={1: (0.5, 0.2, 0.3)},
+        recompute=True,
+        interleave=2,
+        reduce_in_backward=False,
+    ),
+    Case(
+        "interleaved_full_per_step_adamw",
+        [((0, 1), (2, 2), (i, i + 1)) if i % 2 == 0 else ((2, 3), (3, 1), (i, i + 1)) for i in range(4)],
+        sharding=Sharding.FULL,
+        fractions={0: (0.7, 0.3), 1: (0.4, 0.6)},
+        interleave=2,
+        adamw=True,
+    ),
 ]
 
 
@@ -163,6 +189,7 @@ def _run_case(rank: int, case: Case) -> dict:
         recompute=case.recompute,
         idle_ranks=case.idle,
         gather_per_microbatch=case.gather_per_microbatch,
+        interleave=case.interleave,
     )
     batches = _batches(STEPS * case.accumulate, plan.global_batch_size)
     model = _model()
@@ -268,7 +295,7 @@ def test_reduction_starts_during_the_last_backward(results):
 def test_full_sharding_holds_each_weight_once_between_steps(results, case):
     """Between steps the ranks of a stage hold its weights once in all (blocks gathered per microbatch: the
     embedding, norm and head whole on every rank), each rank about its share."""
-    for stage_index, stage in enumerate(case.stages):
+    for stage_index, stage in enumerate(case.stages[: len(case.stages) // case.interleave]):
         ranks = stage[0]
         if len(ranks) == 1:
             continue

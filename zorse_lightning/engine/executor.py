@@ -262,8 +262,7 @@ class PipelineEngine:
         loss_sum = torch.zeros((), device=self.device)
         program = self._program(train)
         gathered = self.sharded is not None and self.sharded.before_run(self.local_parameters())
-        backwards = [i for i, action in enumerate(program) if action.kind is ActionKind.BACKWARD]
-        arm_at = backwards[-1] if reduce_in_backward and backwards else None
+        arm_at = self._arm_points(program) if reduce_in_backward else {}
         for i, action in enumerate(program):
             j = action.microbatch
             if j == EMPTY_ROUND:
@@ -281,8 +280,8 @@ class PipelineEngine:
                 if train:
                     saved[(action.stage, j)] = (received, output)
             else:
-                if i == arm_at:
-                    self.reduction.arm()
+                if i in arm_at:
+                    self.reduction.arm(arm_at[i], more=i != min(arm_at))
                 self._backward(action.stage, j, *saved.pop((action.stage, j)))
         self.transport.wait_sends()
         if gathered and not train:
@@ -302,6 +301,20 @@ class PipelineEngine:
         stage = self.groups.stage
         busiest = stage.ranks[max(range(len(stage.ranks)), key=lambda i: stage.microbatches_per_rank[i])]
         return padded_program(program, schedule.for_rank(busiest))
+
+    def _arm_points(self, program: list) -> dict[int, list[nn.Parameter]]:
+        """Where in ``program`` weights get their last gradient of the run: each of the rank's stages' weights
+        at that stage's last backward (interleaved ranks have several), all others at the program's last."""
+        last_backward = {a.stage: i for i, a in enumerate(program) if a.kind is ActionKind.BACKWARD}
+        if not last_backward:
+            return {}
+        final = max(last_backward.values())
+        stage_of = self.cut.stages_of_parameters() if self.cut is not None else {}
+        points: dict[int, list[nn.Parameter]] = {i: [] for i in last_backward.values()}
+        for param in self.local_parameters():
+            stage = stage_of.get(id(param))
+            points[last_backward[stage] if stage in last_backward else final].append(param)
+        return points
 
     def _empty_round(self, kind: ActionKind) -> None:
         if kind is ActionKind.FORWARD:

@@ -62,7 +62,8 @@ class OverlappedReduction:
 
     Gradients only the rank's own stage holds are cut into buckets of about
     :data:`BUCKET_BYTES`, last parameters first (the order backward produces
-    them). :meth:`arm` is called before the rank's last backward of the step:
+    them). :meth:`arm` is called before the rank's last backward of the step (interleaved: before each
+    chunk's last backward, for that chunk's weights):
     from then on a hook marks each parameter whose gradient has accumulated, and
     each bucket whose gradients are all final is all-reduced asynchronously, in
     bucket order only (every rank of the stage issues the same collectives in
@@ -101,14 +102,18 @@ class OverlappedReduction:
         """Buckets whose all-reduce has started this step."""
         return len(self._in_flight)
 
-    def arm(self) -> None:
-        """From now on, a parameter's next accumulated gradient is its final one for this step."""
-        self._disarm()
-        for work, _ in self._in_flight:  # a step that never reached finish(): its sums are dropped
-            work.wait()
-        self._in_flight = []
-        self._waiting = [len(bucket) for bucket in self.buckets]
-        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b]
+    def arm(self, params: list[nn.Parameter] | None = None, more: bool = False) -> None:
+        """From now on, the next accumulated gradient of each of ``params`` (None: all) is its final one for
+        this step. ``more``: add to those armed earlier in this run (an interleaved rank arms each chunk's
+        weights before that chunk's last backward, which comes before the rank's last one)."""
+        if not more:
+            self._disarm()
+            for work, _ in self._in_flight:  # a step that never reached finish(): its sums are dropped
+                work.wait()
+            self._in_flight = []
+            self._waiting = [len(bucket) for bucket in self.buckets]
+        chosen = [p for b in self.buckets for p in b] if params is None else [p for p in params if id(p) in self._bucket_of]
+        self._handles += [p.register_post_accumulate_grad_hook(self._accumulated) for p in chosen]
         self._start_ready()
 
     def _accumulated(self, param: nn.Parameter) -> None:
