@@ -5,9 +5,11 @@ whose step returns ``self.model(input_ids=x, labels=x).loss``. Each model on
 ``cpu_sim4`` (four emulated GPU types) is (a) planned at start, (b) run on a
 pinned 2-stage pipeline, (c) run on an asymmetric pipeline (stage 0 one A100,
 stage 1 a V100 and two T4s sharding all training state unevenly, gathered once per
-step), (d) stopped after two steps and resumed from the checkpoint, and (e) run as
+step), (d) stopped after two steps and resumed from the checkpoint, (e) run as
 one stage of four ranks with uneven microbatches and shards, each layer gathered
-for each microbatch. Every run must end at the parameters of single-process training from
+for each microbatch, and (f) run interleaved (the A100 holds layers 0 and 2, the
+other three layers 1 and 3, sharding gradients and optimizer state), from the start
+and resumed onto that plan from (d)'s checkpoint. Every run must end at the parameters of single-process training from
 the same initial weights on the global batch (4 ranks x a loader batch of 4 = 16,
 as with DDP). Llama, Mistral and Qwen2 pass rotary embeddings and masks to every
 layer as keyword arguments, made once before the layers: they must be real on
@@ -112,6 +114,9 @@ def _worker(rank: int, tmp: Path) -> dict:
                            sharding=Sharding.FULL, shard_fractions={1: (0.5, 0.2, 0.3)})
     gathered = hand_plan([((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))], 2, inventory=sim4, sharding=Sharding.FULL,
                          shard_fractions={0: (0.4, 0.1, 0.3, 0.2)}, gather_per_microbatch=True)
+    groups = [((0,), (8,)), ((1, 2, 3), (4, 2, 2))]
+    interleaved = hand_plan([(*groups[i % 2], (i, i + 1)) for i in range(4)], 2, inventory=sim4, interleave=2,
+                            sharding=Sharding.OPTIMIZER_GRADIENTS, shard_fractions={1: (0.5, 0.2, 0.3)})
     results = {}
     for arch in ARCHITECTURES:
         expected = reference(arch)
@@ -122,10 +127,13 @@ def _worker(rank: int, tmp: Path) -> dict:
             "pinned": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=pinned), STEPS, tmp), expected),
             "asymmetric": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp), expected),
             "gathered": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=gathered), STEPS, tmp), expected),
+            "interleaved": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=interleaved), STEPS, tmp), expected),
         }
         _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS - 1, tmp)
         resumed = _fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
         results[arch]["resumed"] = _difference(resumed, expected)
+        onto_interleaved = _fit(arch, ZorseStrategy(cluster=sim4, plan=interleaved), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
+        results[arch]["resumed_interleaved"] = _difference(onto_interleaved, expected)
     results["llama"]["pretrained_per_stage"] = _pretrained_per_stage(rank, sim4, asymmetric, tmp)
     return results
 
@@ -153,7 +161,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed", "gathered"])
+@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed", "gathered", "interleaved", "resumed_interleaved"])
 def test_trains_as_one_process_does(results, arch, case):
     for rank, result in enumerate(results):
         assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])

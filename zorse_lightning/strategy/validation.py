@@ -43,22 +43,27 @@ def check_plan_for_module(plan: Plan, module: nn.Module, block_path: str | None,
 
 
 def _check_state_fits(plan: Plan, blocks: list[nn.Module], inventory: ClusterInventory) -> None:
-    """Weights, gradients and optimizer state of a stage's blocks alone (a lower bound of its memory)."""
-    for index, stage in enumerate(plan.stages):
+    """Weights, gradients and optimizer state of a rank's blocks alone (a lower bound of its memory),
+    summed over its stages (several when interleaved)."""
+    dtype = str(next(blocks[0].parameters()).dtype).removeprefix("torch.")
+    need_gib: dict[int, float] = {}
+    held: dict[int, list[str]] = {}
+    for stage in plan.stages:
         parameters = sum(p.numel() for b in blocks[slice(*stage.layers)] for p in b.parameters())
-        dtype = str(next(blocks[0].parameters()).dtype).removeprefix("torch.")
         whole, sharded = stage_state_bytes(parameters, dtype if dtype != "float64" else "float32", stage.sharding)
         fractions = stage.effective_shard_fractions() if stage.sharding is not Sharding.NONE else (0.0,) * len(stage.ranks)
         for rank, fraction in zip(stage.ranks, fractions):
-            need_gib = bytes_to_gib(whole + fraction * sharded)
-            have_gib = inventory.gpus[rank].memory_gib
-            if need_gib > have_gib:
-                raise PlanningError(
-                    f"stage {index} (blocks {stage.layers[0]}-{stage.layers[1] - 1}) needs at least {need_gib:.2f} GiB "
-                    f"for its training state on rank {rank}, but that {inventory.gpus[rank].gpu_type.name} has "
-                    f"{have_gib:.2f} GiB; re-plan for this cluster, shard the optimizer state, or give fewer blocks "
-                    f"to that stage"
-                )
+            need_gib[rank] = need_gib.get(rank, 0.0) + bytes_to_gib(whole + fraction * sharded)
+            held.setdefault(rank, []).append(f"{stage.layers[0]}-{stage.layers[1] - 1}")
+    for rank, need in need_gib.items():
+        have_gib = inventory.gpus[rank].memory_gib
+        if need > have_gib:
+            raise PlanningError(
+                f"stage {plan.stage_of_rank(rank)} (blocks {', '.join(held[rank])}) needs at least {need:.2f} GiB "
+                f"for its training state on rank {rank}, but that {inventory.gpus[rank].gpu_type.name} has "
+                f"{have_gib:.2f} GiB; re-plan for this cluster, shard the optimizer state, or give fewer blocks "
+                f"to that stage"
+            )
 
 
 def check_predicted_memory(plan: Plan, inventory: ClusterInventory) -> None:
