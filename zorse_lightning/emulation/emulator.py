@@ -192,6 +192,9 @@ class ComputeEmulator:
         """Samples of the step (or microbatch) now running, set by whoever runs it: a call whose first
         input's dim 0 differs is charged once per call, not per sample (:func:`batch_size_and_signature`).
         None: every call's dim 0 counts as its samples."""
+        self.uncharged: Callable[[nn.Module], bool] | None = None
+        """Whether a call of the module computes nothing now (set by whoever knows: an interleaved first
+        stage's embedding gives stand-in zeros in its later chunks), so it is not slowed."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -322,6 +325,9 @@ class ComputeEmulator:
     def _pre_hook(self, name: str) -> Callable[..., tuple[tuple, dict]]:
         # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if self.uncharged is not None and self.uncharged(module):
+                self._counters.in_flight.setdefault(id(module), []).append(_Call(start=time.perf_counter(), emulated_s=0.0))
+                return args, kwargs
             samples, signature = batch_size_and_signature(args, kwargs, self.batch_samples)
             key = cost_key(name, signature)
             cost = self._costs.get(key)

@@ -42,6 +42,7 @@ class StageEmulation:
         boundaries = None
         if engine.cut is not None:
             boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
+            emulator.uncharged = _stand_ins(module, engine.cut)
         emulator.track_memory(module, optimizers)
         emulator.check_memory()  # the stage as placed on the device, before its first step
         return cls(emulator, boundaries)
@@ -75,6 +76,13 @@ def _stage_modules(
         if runs_here:
             here.update(id(m) for name in names for m in root.get_submodule(name).modules())
     return [(n, m) for n, m in named if id(m) in here]
+
+
+def _stand_ins(root: nn.Module, cut: StageCut):
+    """``uncharged`` for the emulator: the modules before the blocks, while a later stage than the first
+    runs (an interleaved first group's later chunks: the cut gives zeros there, without compute)."""
+    before = {id(m) for name in cut.analysis.pre_modules for m in root.get_submodule(name).modules()}
+    return lambda module: cut.active != 0 and id(module) in before
 
 
 class _StageBoundaries:

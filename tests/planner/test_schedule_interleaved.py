@@ -1,0 +1,118 @@
+"""Interleaved plans and their schedules: validation, chunk dealing, programs that cannot deadlock."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from testing.plans import hand_plan
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
+from zorse_lightning.planner.schedule import ActionKind, build_schedule, one_f_one_b_limit
+
+
+def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, schedule=Schedule.ONE_F_ONE_B):
+    stages = [((g,), (microbatches,), (g * layers_per_group, (g + 1) * layers_per_group)) for g in range(groups)]
+    return hand_plan(stages, schedule=schedule)
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_interleaved_1f1b_of_equal_stages_takes_megatrons_unit_steps(degree):
+    """Equal single-GPU groups: 2 M V chunk-steps of work plus 2 (G - 1) of fill and drain, where the plain
+    pipeline takes V (2 M + 2 (G - 1)) in the same units: interleaving shrinks only the bubble, V-fold."""
+    groups, microbatches = 4, 8
+    plan = interleave(_equal_pipeline(groups, 4, microbatches), degree)
+    assert plan.interleave == degree and len(plan.stages) == groups * degree
+    schedule = build_schedule(plan)
+    assert schedule.num_steps == 2 * microbatches * degree + 2 * (groups - 1)
+    for rank in range(groups):  # activations held: never more than the warm-up allows
+        assert _peak_in_flight(schedule.for_rank(rank)) <= one_f_one_b_limit(plan, rank)
+
+
+def _peak_in_flight(program) -> int:
+    in_flight = peak = 0
+    for action in program:
+        in_flight += 1 if action.kind is ActionKind.FORWARD else -1
+        peak = max(peak, in_flight)
+    return peak
+
+
+def test_interleaving_deals_each_groups_layers_round_robin():
+    plan = hand_plan([((0,), (4,), (0, 5)), ((1, 2), (3, 1), (5, 8))])
+    dealt = interleave(plan, 3)
+    assert [s.layers for s in dealt.stages] == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8)]
+    assert [s.ranks for s in dealt.stages] == [(0,), (1, 2)] * 3
+    assert dealt.stages_of_rank(2) == (1, 3, 5) and dealt.stage_of_rank(2) == 1
+    assert [dealt.group_of_stage(s) for s in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert chunk_sizes(5, 3) == [2, 2, 1]
+    assert degrees(plan, 8) == [1, 2, 3]  # the 3-layer group bounds the degree
+    with pytest.raises(PlanningError, match="at least 4 layers per stage; stages \\[1\\] have fewer"):
+        interleave(plan, 4)
+
+
+def test_an_interleaved_plan_survives_json():
+    plan = interleave(hand_plan([((0,), (4,), (0, 4)), ((1, 2), (3, 1), (4, 8))]), 2)
+    assert type(plan).from_json(plan.to_json()) == plan
+
+
+def test_chunks_of_a_group_must_agree_in_all_but_layers():
+    plan = interleave(hand_plan([((0,), (4,), (0, 4)), ((1, 2), (3, 1), (4, 8))]), 2)
+    stages = list(plan.stages)
+    stages[3] = replace(stages[3], microbatches_per_rank=(2, 2))
+    with pytest.raises(PlanningError, match=r"stage 3 is chunk 1 of group 1 .* differs from stage 1 in \['microbatches_per_rank'\]"):
+        replace(plan, stages=tuple(stages))
+    with pytest.raises(PlanningError, match="interleave=3 needs a multiple of 3 stages"):
+        replace(plan, interleave=3)
+    with pytest.raises(PlanningError, match="interleave=0 must be a whole number >= 1"):
+        replace(plan, interleave=0)
+    one_group = hand_plan([((0, 1), (2, 2), (0, 2))])
+    with pytest.raises(PlanningError, match="at least 2 groups"):
+        replace(one_group, stages=(one_group.stages[0], replace(one_group.stages[0], layers=(2, 4))), interleave=2, num_layers=4)
+
+
+def test_interleaved_gpipe_runs_breadth_first():
+    plan = interleave(_equal_pipeline(2, 2, 3, Schedule.GPIPE), 2)
+    program = [str(a) for a in build_schedule(plan).for_rank(0)]
+    assert program == ["0F0", "0F1", "0F2", "2F0", "2F1", "2F2", "2B0", "2B1", "2B2", "0B0", "0B1", "0B2"]
+    assert [str(a) for a in build_schedule(plan, forward_only=True).for_rank(1)] == ["1F0", "1F1", "1F2", "3F0", "3F1", "3F2"]
+
+
+def test_interleaved_messages_name_their_boundary():
+    """Groups 0 and 1 exchange the activations of boundaries 0 and 2 over one channel: each message says which."""
+    plan = interleave(_equal_pipeline(2, 2, 2), 2)
+    schedule = build_schedule(plan)
+    from zorse_lightning.planner.schedule import messages_of
+
+    sent = [m for a in schedule.for_rank(0) for m in messages_of(plan, 0, a)[1] if m.kind is ActionKind.FORWARD]
+    assert sorted({m.boundary for m in sent}) == [0, 2] and {m.dst for m in sent} == {1}
+
+
+def _random_interleaved(seed: int):
+    rng = random.Random(seed)
+    groups, degree = rng.randint(2, 4), rng.randint(2, 3)
+    microbatches = rng.randint(2, 9)
+    stages, rank, start = [], 0, 0
+    for _ in range(groups):
+        width = rng.randint(1, 3)
+        cuts = sorted(rng.sample(range(microbatches + width - 1), width - 1))  # stars and bars
+        counts = [b - a - 1 for a, b in zip([-1, *cuts], [*cuts, microbatches + width - 1])]
+        layers = rng.randint(degree, degree + 2)
+        stages.append((tuple(range(rank, rank + width)), tuple(counts), (start, start + layers)))
+        rank, start = rank + width, start + layers
+    schedule = rng.choice(list(Schedule))
+    return interleave(hand_plan(stages, schedule=schedule), degree)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_interleaved_plans_of_uneven_widths_and_shares_never_deadlock(seed):
+    """Widths 1-3, uneven shares (some ranks with none), 2-3 chunks: every program is complete, backward after
+    forward, and plays to its end with FIFO channels (build_schedule checks all three)."""
+    plan = _random_interleaved(seed)
+    schedule = build_schedule(plan)
+    for rank in range(plan.world_size):
+        program = schedule.for_rank(rank)
+        share = plan.stages[plan.stage_of_rank(rank)].microbatch_ranges()[rank]
+        assert len(program) == 2 * len(share) * plan.interleave
