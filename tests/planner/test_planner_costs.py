@@ -22,7 +22,8 @@ from zorse_lightning.planner.compute import (
     round_trip_busy_ms,
     stage_microbatch_times,
 )
-from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction, routes
+from zorse_lightning.planner.boundaries import routes
+from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.memory import reserve_gib
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan, StagePlan

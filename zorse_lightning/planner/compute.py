@@ -28,6 +28,12 @@ parallel) it is ``max_r n_r t_r`` plus the all-reduce and the optimizer step
 same fill and drain here (both run every forward of a microbatch before its
 backward through the whole pipe); they differ in memory (see :mod:`.memory`), so
 GPipe never beats 1F1B in this model and the search tries it only when pinned.
+
+Interleaved plans (V chunks per group of ranks, :mod:`.chain`) keep the chain of groups
+but count each group's latency once per chunk: ``l_e / V``, the textbook ``(M + (S -
+1) / V) t`` of Megatron's interleaved schedule, while each boundary's busy time and
+each rank's waits for its transfers grow V-fold (every microbatch crosses every chunk
+boundary), which is what makes interleaving lose across slow links.
 """
 
 from __future__ import annotations
@@ -98,32 +104,41 @@ def stage_latency_ms(microbatch_ms: list[float], microbatches: list[int]) -> flo
     return max((t for n, t in zip(microbatches, microbatch_ms) if n > 0), default=0.0)
 
 
-def round_trip_busy_ms(microbatch_ms: list[float], microbatches: list[int], in_flight: list[int], downstream_ms: float) -> float:
+def round_trip_busy_ms(
+    microbatch_ms: list[float], microbatches: list[int], in_flight: list[int], downstream_ms: float, counted_ms: float | None = None
+) -> float:
     """Busy time a stage needs because of its in-flight limit (1F1B).
 
     A rank that may hold ``w`` microbatches starts a forward only once the backward
     of the microbatch ``w`` earlier is back, a round trip ``t + d`` through itself and
     the later elements (latency ``d``). Its span is then at least ``n (t + d) / w``,
-    of which the pipeline formula already counts ``d`` as latency of those elements.
-    Without transfers this never exceeds ``n t`` for the ``w = S - i`` of 1F1B; with
-    transfers it adds the stalls of a gradient's round trip.
+    of which the pipeline formula already counts ``counted_ms`` (default ``d``) as
+    latency of those elements. Without transfers this never exceeds ``n t`` for the
+    ``w = S - i`` of 1F1B; with transfers it adds the stalls of a gradient's round trip.
+
+    Interleaved, ``w`` counts chunk-forwards and ``d`` sums, over the rank's chunks,
+    the latency from each chunk to the end of the virtual pipeline and back: each of
+    the ``n V`` chunk-forwards waits ``t / V`` plus its own chunk's round trip.
     """
+    counted_ms = downstream_ms if counted_ms is None else counted_ms
     spans = [n * (t + downstream_ms) / w for t, n, w in zip(microbatch_ms, microbatches, in_flight) if n > 0]
-    return max(spans, default=0.0) - downstream_ms
+    return max(spans, default=0.0) - counted_ms
 
 
-def receiving_busy_ms(microbatch_ms: list[float], microbatches: list[int], receive_ms: list[float]) -> float:
+def receiving_busy_ms(microbatch_ms: list[float], microbatches: list[int], receive_ms: list[float], chunks: int = 1) -> float:
     """Busy time of a stage whose ranks wait for their transfers between microbatches.
 
     The engine's receives block, and its transport (gloo) moves a message only once
     its receiver has posted the receive, which the receiver does when it reaches the
     action that needs it: a message sent early waits at the sender. So a rank that
     waits ``x`` ms for its messages per microbatch (the activation from the previous
-    stage, the gradient from the next: see :func:`.evaluate.receive_ms_per_microbatch`)
+    stage, the gradient from the next: see :func:`.boundaries.receive_ms_per_microbatch`)
     is busy ``t + x`` per microbatch, not ``t`` with the transfers hidden under compute. Its first receive lies in the fill the
-    boundaries' latencies already count, hence ``n t + (n - 1) x``.
+    boundaries' latencies already count, hence ``n t + (n - 1) x``. A rank holding
+    ``chunks`` chunks (interleaved) receives per chunk: ``x`` sums its chunks' waits, and
+    only the first of its ``n chunks`` receives is in the fill: ``n t + (n chunks - 1) x / chunks``.
     """
-    spans = [n * t + (n - 1) * x for t, n, x in zip(microbatch_ms, microbatches, receive_ms) if n > 0]
+    spans = [n * t + (n * chunks - 1) * x / chunks for t, n, x in zip(microbatch_ms, microbatches, receive_ms) if n > 0]
     return max(spans, default=0.0)
 
 

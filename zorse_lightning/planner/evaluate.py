@@ -1,6 +1,15 @@
 """The cost model applied to a whole plan: iteration time, memory per rank, and why a plan
 does not fit. Every plan the search or a baseline returns is priced here, so all of
-them are compared in one model."""
+them are compared in one model.
+
+Interleaved plans (``Plan.interleave`` = V > 1) are priced per *group* of ranks, since
+a rank holds and runs all of its group's chunks: its memory is every chunk's state
+plus the peak of activations over its own program (:func:`rank_activation_bytes`,
+what the engine holds), its synchronisation and optimizer step cover every chunk's
+parameters, and the closed form's chain (:func:`pipeline_elements`) has one element
+per group and per pair of neighbouring groups, whose work sums the chunks. A plain
+plan is the case V = 1 of the same formulas, priced exactly as before.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,13 @@ from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.comm import (
-    LinkTable,
-    gather_round_ms,
-    stage_sync_ms,
-    transfer_ms,
-)
+from zorse_lightning.planner.boundaries import BoundaryCost, boundary_cost
+from zorse_lightning.planner.chain import pipeline_elements
+from zorse_lightning.planner.comm import LinkTable, gather_round_ms, stage_sync_ms
 from zorse_lightning.planner.compute import (
     MicrobatchTimes,
     lockstep_busy_ms,
     pipeline_ms,
-    receiving_busy_ms,
-    round_trip_busy_ms,
     stage_busy_ms,
     stage_latency_ms,
     stage_microbatch_times,
@@ -28,6 +32,7 @@ from zorse_lightning.planner.memory import (
     RankMemory,
     StageParameters,
     activation_bytes_per_microbatch,
+    combined_parameters,
     microbatches_in_flight,
     reserve_gib,
     shard_fractions_by_free_memory,
@@ -36,6 +41,7 @@ from zorse_lightning.planner.memory import (
     state_bytes_per_parameter,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
+from zorse_lightning.planner.schedule import Action, ActionKind, rank_programs
 from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated, update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import bytes_to_gib, gib_to_bytes
@@ -55,6 +61,8 @@ class CostContext:
     capacities_bytes: tuple[float, ...]
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
+    _activation_peaks: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :func:`rank_activation_bytes`: an interleaved plan's programs, played once."""
 
     def microbatch_times(
         self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool
@@ -85,6 +93,10 @@ class CostContext:
 
 @dataclass(frozen=True)
 class StageCost:
+    """One stage's costs. On an interleaved plan the stage is a chunk: ``times``, ``busy_ms``
+    and ``latency_ms`` are the chunk's own, while ``sync_ms``, ``memory`` and ``update_ms`` are
+    its ranks' (every chunk of their group, the same in each of the group's chunks)."""
+
     times: tuple[MicrobatchTimes, ...]
     """One microbatch on each rank of the stage."""
     busy_ms: float
@@ -97,16 +109,6 @@ class StageCost:
 
 
 @dataclass(frozen=True)
-class BoundaryCost:
-    transfer_ms: float
-    """Slowest single transfer of one microbatch's activation across the boundary."""
-    busy_ms: float
-    """Busiest link's transfers per iteration, one direction (links are full duplex)."""
-    routes: tuple[tuple[int, int, int], ...]
-    """(sending rank, receiving rank, microbatches) in microbatch order."""
-
-
-@dataclass(frozen=True)
 class PlanCost:
     stages: tuple[StageCost, ...]
     boundaries: tuple[BoundaryCost, ...]
@@ -115,10 +117,21 @@ class PlanCost:
     """The slowest stage's synchronisation (:meth:`stage_sync_ms`)."""
     tied_sync_ms: float = 0.0
     """The tied embedding/head all-reduce the first and last stages add (:func:`tied_sync_ms`)."""
+    interleave: int = 1
+    """The plan's chunks per group of ranks (``Plan.interleave``)."""
+    fill_ms: float = 0.0
+    """Of ``pipeline_ms``, the fill and drain: one microbatch through every element of the chain
+    but the one that bounds it (the rest is that element's busy time)."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.stages) // self.interleave
 
     def stage_sync_ms(self, index: int) -> float:
-        """Synchronisation of stage ``index`` after its last backward, the tied weight's included."""
-        ends = index in (0, len(self.stages) - 1) and len(self.stages) > 1
+        """Synchronisation of stage ``index``'s group after its last backward, the tied weight's
+        included (the first and the last group hold the embedding and the head)."""
+        groups = self.num_groups
+        ends = index % groups in (0, groups - 1) and groups > 1
         return self.stages[index].sync_ms + (self.tied_sync_ms if ends else 0.0)
 
     def stage_update_ms(self, index: int) -> float:
@@ -132,53 +145,18 @@ class PlanCost:
     @property
     def update_ms(self) -> float:
         """The slowest optimizer step of any stage."""
-        return max(self.stage_update_ms(i) for i in range(len(self.stages)))
+        return max(self.stage_update_ms(i) for i in range(self.num_groups))
 
     @property
     def tail_ms(self) -> float:
         """The longest synchronisation plus optimizer step of any stage."""
-        return max(self.stage_tail_ms(i) for i in range(len(self.stages)))
+        return max(self.stage_tail_ms(i) for i in range(self.num_groups))
 
     @property
     def iteration_ms(self) -> float:
         """The pipeline, then the stage that takes longest to synchronise and step (stages
         do both independently; the closed form starts every stage's at the pipeline's end)."""
         return self.pipeline_ms + self.tail_ms
-
-
-def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
-    """Which rank sends how many consecutive microbatches to which rank across a boundary."""
-    send = [[r, n] for r, n in zip(sender.ranks, sender.microbatches_per_rank) if n > 0]
-    recv = [[r, n] for r, n in zip(receiver.ranks, receiver.microbatches_per_rank) if n > 0]
-    out: list[tuple[int, int, int]] = []
-    i = j = 0
-    while i < len(send) and j < len(recv):
-        count = min(send[i][1], recv[j][1])
-        out.append((send[i][0], recv[j][0], count))
-        send[i][1] -= count
-        recv[j][1] -= count
-        i += send[i][1] == 0
-        j += recv[j][1] == 0
-    return out
-
-
-def boundary_message_bytes(ctx: CostContext, plan: Plan, index: int) -> float:
-    """One microbatch's activation across boundary ``index`` (its gradient back is as large)."""
-    return ctx.profile.layers[plan.stages[index].layers[1] - 1].output_bytes_per_sample * plan.microbatch_size
-
-
-def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
-    sender, receiver = plan.stages[index], plan.stages[index + 1]
-    message_bytes = boundary_message_bytes(ctx, plan, index)
-    one_ms: dict = {}  # per link: one message
-    messages: dict = {}  # per link: messages per iteration
-    route_list = routes(sender, receiver)
-    for a, b, count in route_list:
-        _link_transfer_ms(ctx, a, b, message_bytes, one_ms)
-        key = ctx.links.link(a, b)[0]
-        messages[key] = messages.get(key, 0) + count
-    slowest = max(one_ms.values(), default=0.0)
-    return BoundaryCost(slowest, max((one_ms[k] * n for k, n in messages.items()), default=0.0), tuple(route_list))
 
 
 def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
@@ -206,9 +184,14 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
 
 
 def stage_parameters_of(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> StageParameters:
-    """Parameters of stage ``index`` (or of ``stage`` put in its place), embedding and head included."""
-    stage = stage or plan.stages[index]
-    return stage_parameter_counts(ctx.profile, stage.layers, first=index == 0, last=index == len(plan.stages) - 1)
+    """Parameters the ranks of stage ``index`` hold (with ``stage`` put in its place), embedding and
+    head included: on an interleaved plan those of every chunk of the stage's group."""
+    chunks = plan.stages_of_group(plan.group_of_stage(index))
+    last = len(plan.stages) - 1
+    return combined_parameters(tuple(
+        stage_parameter_counts(ctx.profile, (stage or plan.stages[s] if s == index else plan.stages[s]).layers, first=s == 0, last=s == last)
+        for s in chunks
+    ))
 
 
 def gather_round_ms_of(ctx: CostContext, plan: Plan, index: int) -> float:
@@ -244,22 +227,24 @@ def stage_update_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan |
     )
 
 
-def plan_stage_widths(plan: Plan) -> tuple[int, ...]:
-    return tuple(len(stage.ranks) for stage in plan.stages)
-
-
 def stage_memory(
     ctx: CostContext, plan: Plan, index: int, fractions: tuple[float, ...], stage: StagePlan | None = None
 ) -> tuple[RankMemory, ...]:
-    """Peak memory of each rank of stage ``index`` (or of ``stage`` put in its place)."""
+    """Peak memory of each rank of stage ``index`` (or of ``stage`` put in its place, differing
+    in sharding only where the plan is interleaved); on an interleaved plan, of all its chunks."""
     stage = stage or plan.stages[index]
-    first, last = index == 0, index == len(plan.stages) - 1
     parameters = stage_parameters_of(ctx, plan, index, stage)
     held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding, stage.gather_per_microbatch)
+    if plan.interleave > 1:
+        peaks = rank_activation_bytes(ctx, plan)
+        return tuple(
+            RankMemory(held, sharded * fraction, peaks[r], ctx.reserves_bytes[r]) for r, fraction in zip(stage.ranks, fractions)
+        )
+    first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
-    widths, schedule = plan_stage_widths(plan), plan.schedule
+    widths, schedule = tuple(len(s.ranks) for s in plan.stages), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
     for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions):
@@ -269,6 +254,35 @@ def stage_memory(
             alike[key] = RankMemory(held, sharded * fraction, per_microbatch * flight, key[2])
         out.append(alike[key])
     return tuple(out)
+
+
+def rank_activation_bytes(ctx: CostContext, plan: Plan) -> dict[int, float]:
+    """Each working rank's peak of activations over its own program (:func:`.schedule.rank_programs`,
+    which the engine runs): a forward keeps its chunk's activations of one microbatch until that
+    chunk's backward of it frees them. Interleaved plans only: how many chunk-forwards a rank holds
+    at once comes from the recorded play of its schedule, not from a formula (plain plans keep
+    :func:`microbatches_in_flight`, which their programs follow and which costs no play)."""
+    key = (plan.schedule, plan.interleave, plan.microbatch_size,
+           tuple((s.ranks, s.microbatches_per_rank, s.layers, s.recompute) for s in plan.stages))
+    if key not in ctx._activation_peaks:
+        last = len(plan.stages) - 1
+        per_microbatch = [
+            activation_bytes_per_microbatch(ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute)
+            for i, s in enumerate(plan.stages)
+        ]
+        programs = rank_programs(plan)
+        ctx._activation_peaks[key] = {
+            r: _peak_bytes(programs[r], per_microbatch) for group in plan.rank_groups for r in group.ranks
+        }
+    return ctx._activation_peaks[key]
+
+
+def _peak_bytes(program: tuple[Action, ...], per_microbatch: list[float]) -> float:
+    held = peak = 0.0
+    for action in program:
+        held += per_microbatch[action.stage] if action.kind is ActionKind.FORWARD else -per_microbatch[action.stage]
+        peak = max(peak, held)
+    return peak
 
 
 def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tuple[float, ...]:
@@ -281,61 +295,16 @@ def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tup
     )
 
 
-def _link_transfer_ms(ctx: CostContext, src: int, dst: int, message_bytes: float, by_link: dict) -> float:
-    """One message from ``src`` to ``dst``, priced once per link in ``by_link`` (many routes share one)."""
-    key, bandwidth_gbps, latency_us = ctx.links.link(src, dst)
-    if key not in by_link:
-        by_link[key] = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
-    return by_link[key]
-
-
-def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:
-    """Per stage, per rank: the transfers it waits for per microbatch (see :func:`receiving_busy_ms`).
-
-    A rank of stage ``i`` receives each microbatch's activation from stage ``i - 1``
-    and its gradient from stage ``i + 1`` (the slowest route where several senders
-    feed it). Before an activation moves, the receiver's notice that it is ready
-    crosses the link the other way, behind the gradient the receiver has just sent
-    that peer (1F1B: a backward, then the next forward's receive): so each
-    activation costs the receiver that gradient's transfer too.
-    """
-    slowest: dict[tuple[int, int, str], float] = {}  # (stage, rank, "previous" | "next" stage) -> ms
-    for i, boundary in enumerate(boundaries):
-        message_bytes = boundary_message_bytes(ctx, plan, i)
-        by_link: dict = {}
-        for a, b, _ in boundary.routes:
-            forward = _link_transfer_ms(ctx, a, b, message_bytes, by_link)
-            back = _link_transfer_ms(ctx, b, a, message_bytes, by_link)
-            for key, ms in (((i + 1, b, "previous"), forward + back), ((i, a, "next"), back)):
-                slowest[key] = max(slowest.get(key, 0.0), ms)
-    position = [{r: k for k, r in enumerate(stage.ranks)} for stage in plan.stages]
-    receive = [[0.0] * len(stage.ranks) for stage in plan.stages]
-    for (stage, rank, _), ms in slowest.items():
-        receive[stage][position[stage][rank]] += ms
-    return receive
-
-
 def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
     stages = tuple(stage_cost(ctx, plan, i) for i in range(len(plan.stages)))
     boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
-    latencies, busy = [], []
-    widths = plan_stage_widths(plan)
-    for i, stage in enumerate(stages):
-        latencies.append(stage.latency_ms)
-        busy.append(stage.busy_ms)
-        if i < len(boundaries):
-            latencies.append(2 * boundaries[i].transfer_ms)
-            busy.append(boundaries[i].busy_ms)
-    receive = receive_ms_per_microbatch(ctx, plan, boundaries)
-    for i, (stage_plan, stage) in enumerate(zip(plan.stages, stages)):
-        element = 2 * i  # stages and boundaries alternate
-        counts = list(stage_plan.microbatches_per_rank)
-        totals = [t.total_ms for t in stage.times]
-        in_flight = [microbatches_in_flight(plan.schedule, widths, i, n) for n in counts]
-        waiting = round_trip_busy_ms(totals, counts, in_flight, sum(latencies[element + 1 :]))
-        busy[element] = max(busy[element], waiting, receiving_busy_ms(totals, counts, receive[i]))
+    latencies, busy = pipeline_elements(ctx, plan, stages, boundaries)
+    bottleneck = max(range(len(busy)), key=lambda e: busy[e] - latencies[e])
     tied = tied_sync_ms(ctx, plan.stages[0].ranks, plan.stages[-1].ranks) if len(stages) > 1 else 0.0
-    return with_stage_costs(PlanCost(stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied), stages)
+    cost = PlanCost(
+        stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied, plan.interleave, sum(latencies) - latencies[bottleneck]
+    )
+    return with_stage_costs(cost, stages)
 
 
 def with_stage_costs(cost: PlanCost, stages: tuple[StageCost, ...]) -> PlanCost:
@@ -361,9 +330,10 @@ def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tup
 
 
 def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:
-    """(stage index, rank, GiB over capacity) for every rank that does not fit."""
+    """(stage index, rank, GiB over capacity) for every rank that does not fit (interleaved: the
+    index of its group, whose chunks' memory its first stage's cost holds)."""
     over = []
-    for index, (stage, stage_cost_) in enumerate(zip(plan.stages, cost.stages)):
+    for index, (stage, stage_cost_) in enumerate(zip(plan.rank_groups, cost.stages)):
         for rank, memory in zip(stage.ranks, stage_cost_.memory):
             excess = memory.total_bytes - ctx.capacity_bytes(rank)
             if excess > 0:
@@ -373,7 +343,7 @@ def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[
 
 def prediction(ctx: CostContext, plan: Plan, cost: PlanCost) -> Prediction:
     memory = [0.0] * plan.world_size
-    for stage, stage_cost_ in zip(plan.stages, cost.stages):
+    for stage, stage_cost_ in zip(plan.rank_groups, cost.stages):
         for rank, rank_memory in zip(stage.ranks, stage_cost_.memory):
             memory[rank] = round(bytes_to_gib(rank_memory.total_bytes), 4)
     types = {t for s in plan.stages for t in s.gpu_types}

@@ -114,6 +114,15 @@ class StageParameters:
         return min(2 * self.largest_layer, self.layers)
 
 
+def combined_parameters(parts: tuple[StageParameters, ...]) -> StageParameters:
+    """The parameters of several stages held by the same ranks (an interleaved group's chunks)."""
+    if len(parts) == 1:
+        return parts[0]
+    return StageParameters(
+        sum(p.total for p in parts), sum(p.layers for p in parts), max(p.largest_layer for p in parts), sum(p.num_layers for p in parts)
+    )
+
+
 def stage_parameter_counts(profile: ModelProfile, layers: tuple[int, int], *, first: bool, last: bool) -> StageParameters:
     chosen = [b.parameters for b in profile.layers[layers[0] : layers[1]]]
     total = stage_parameters(profile, layers, first=first, last=last)

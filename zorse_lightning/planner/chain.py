@@ -1,0 +1,75 @@
+"""The closed form's chain (:mod:`.compute`) for a priced plan: the latency and busy time of
+each group of ranks and of each boundary between them, from the stages' and boundaries'
+costs (:mod:`.evaluate`). A plain plan is the case V = 1: its groups are its stages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.planner.boundaries import BoundaryCost, receive_ms_per_microbatch
+from zorse_lightning.planner.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
+from zorse_lightning.planner.memory import microbatches_in_flight
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.schedule import one_f_one_b_limit
+
+if TYPE_CHECKING:
+    from zorse_lightning.planner.evaluate import CostContext, StageCost
+
+
+def pipeline_elements(
+    ctx: CostContext, plan: Plan, stages: tuple[StageCost, ...], boundaries: tuple[BoundaryCost, ...]
+) -> tuple[list[float], list[float]]:
+    """(latency, busy time) of each element of the closed form's chain (:mod:`.compute`): group
+    0, the boundary to group 1, group 1, ...; interleaved, then the boundary from the last group
+    back to the first (the next chunk).
+
+    A group's busy time is its slowest rank's work on all its chunks; its latency in the fill
+    and drain is one chunk's (the group's latency over V): a microbatch passes the other groups
+    chunk by chunk, so each adds 1/V of its work, hence about ``(M + (S - 1) / V) t`` for S equal
+    groups. A boundary's busy time sums its V crossings (every microbatch crosses it once per
+    chunk, over the same links); its latency stays one transfer each way. Each rank also waits
+    for its messages of every chunk (:func:`receiving_busy_ms`) and, under 1F1B, for the
+    round trips of the chunk-forwards it may keep in flight (:func:`round_trip_busy_ms`): over a
+    slow link these V-fold transfers are what interleaving costs.
+    """
+    groups, degree = plan.num_groups, plan.interleave
+    chunks = [plan.stages_of_group(g) for g in range(groups)]
+    totals = [[sum(stages[s].times[k].total_ms for s in chunks[g]) for k in range(len(plan.stages[g].ranks))] for g in range(groups)]
+    latencies, busy = [], []
+    for g in range(groups):
+        counts = list(plan.stages[g].microbatches_per_rank)
+        latencies.append(stage_latency_ms(totals[g], counts) / degree)
+        busy.append(stages[g].busy_ms if degree == 1 else stage_busy_ms(totals[g], counts))
+        crossings = [boundaries[b] for b in chunks[g] if b < len(boundaries)]
+        if crossings:
+            latencies.append(2 * crossings[0].transfer_ms)
+            busy.append(sum(b.busy_ms for b in crossings))
+    receive = receive_ms_per_microbatch(ctx, plan, boundaries)
+    round_trips = _round_trips_ms(plan, stages, boundaries) if degree > 1 else []
+    for g in range(groups):
+        element = 2 * g  # groups and boundaries alternate
+        counts = list(plan.stages[g].microbatches_per_rank)
+        waits = [sum(receive[s][k] for s in chunks[g]) for k in range(len(counts))]
+        in_flight = [_in_flight(plan, g, n) for n in counts]
+        counted = sum(latencies[element + 1 :])
+        waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
+        busy[element] = max(busy[element], waiting, receiving_busy_ms(totals[g], counts, waits, degree))
+    return latencies, busy
+
+
+def _in_flight(plan: Plan, group: int, microbatches: int) -> int:
+    """Forwards (chunk-forwards, interleaved) a rank of ``group`` with ``microbatches`` keeps in flight."""
+    if plan.interleave == 1:
+        return microbatches_in_flight(plan.schedule, tuple(len(s.ranks) for s in plan.stages), group, microbatches)
+    forwards = microbatches * plan.interleave
+    return forwards if plan.schedule is Schedule.GPIPE else min(forwards, one_f_one_b_limit(plan, group))
+
+
+def _round_trips_ms(plan: Plan, stages: tuple[StageCost, ...], boundaries: tuple[BoundaryCost, ...]) -> list[float]:
+    """Per group: the sum over its chunks of the latency after the chunk, to the end of the
+    virtual pipeline and back (every later stage's and each later boundary's two transfers)."""
+    after = [0.0] * len(stages)
+    for s in range(len(stages) - 2, -1, -1):
+        after[s] = after[s + 1] + stages[s + 1].latency_ms + 2 * boundaries[s].transfer_ms
+    return [sum(after[s] for s in plan.stages_of_group(g)) for g in range(plan.num_groups)]
