@@ -151,6 +151,8 @@ class _Call:
     saved_tensors: Any = None
     """The entered ``saved_tensors_hooks`` context, exited when the forward ends."""
     window: BackwardWindow | None = None
+    uncharged: bool = False
+    """A call that computes nothing now (:attr:`ComputeEmulator.uncharged`): neither slowed nor counted."""
 
 
 @dataclass
@@ -193,8 +195,8 @@ class ComputeEmulator:
         input's dim 0 differs is charged once per call, not per sample (:func:`batch_size_and_signature`).
         None: every call's dim 0 counts as its samples."""
         self.uncharged: Callable[[nn.Module], bool] | None = None
-        """Whether a call of the module computes nothing now (set by whoever knows: an interleaved first
-        stage's embedding gives stand-in zeros in its later chunks), so it is not slowed."""
+        """Whether a call of the module computes nothing now (set by whoever knows: in an interleaved rank's
+        later chunk, its earlier chunks' blocks pass their input on), so it is neither slowed nor counted."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -326,7 +328,7 @@ class ComputeEmulator:
         # A closure, not a bound method: a deepcopy of the module shares the emulator instead of copying it.
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if self.uncharged is not None and self.uncharged(module):
-                self._counters.in_flight.setdefault(id(module), []).append(_Call(start=time.perf_counter(), emulated_s=0.0))
+                self._counters.in_flight.setdefault(id(module), []).append(_Call(0.0, 0.0, uncharged=True))
                 return args, kwargs
             samples, signature = batch_size_and_signature(args, kwargs, self.batch_samples)
             key = cost_key(name, signature)
@@ -354,8 +356,8 @@ class ComputeEmulator:
             call = self._counters.in_flight[id(module)].pop()
             if call.saved_tensors is not None:
                 call.saved_tensors.__exit__(None, None, None)
-            if sys.exc_info()[1] is not None:
-                return None  # the forward raised: nothing to time, the error propagates
+            if sys.exc_info()[1] is not None or call.uncharged:
+                return None  # the forward raised (nothing to time, the error propagates), or computed nothing
             self.check_memory(recount=False)
             self._finish(call.start, call.emulated_s)
             if call.window is not None:

@@ -79,10 +79,17 @@ def _stage_modules(
 
 
 def _stand_ins(root: nn.Module, cut: StageCut):
-    """``uncharged`` for the emulator: the modules before the blocks, while a later stage than the first
-    runs (an interleaved first group's later chunks: the cut gives zeros there, without compute)."""
-    before = {id(m) for name in cut.analysis.pre_modules for m in root.get_submodule(name).modules()}
-    return lambda module: cut.active != 0 and id(module) in before
+    """``uncharged`` for the emulator: what computes nothing in the running stage. Interleaved, a rank holds
+    several chunks; while a later one runs, the blocks of its earlier ones pass their input on, and the
+    modules before the blocks (the first group's embedding) give stand-in zeros."""
+    stage_of: dict[int, int] = {}
+    for index, block in enumerate(cut.blocks.blocks):
+        stage = cut.chunk_of_block(index)
+        if stage is not None:
+            stage_of.update((id(m), stage) for m in block.modules())
+    for name in cut.analysis.pre_modules:
+        stage_of.update((id(m), 0) for m in root.get_submodule(name).modules())
+    return lambda module: stage_of.get(id(module), cut.active) != cut.active
 
 
 class _StageBoundaries:
