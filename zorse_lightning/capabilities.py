@@ -38,7 +38,9 @@ microbatches makes empty rounds after its own; inside a pipeline a rank's microb
 also wait on other stages, and contiguous uneven shares could then wait on each other
 in a cycle (a round-robin assignment of microbatches would lift this)."""
 SUPPORTS_RECOMPUTATION = True
-SUPPORTS_INTERLEAVING = False
+SUPPORTS_INTERLEAVING = True
+"""Plans may give each group of ranks several non-adjacent layer chunks (``Plan.interleave``): the
+engine runs each rank's chunks by the interleaved schedule and the planner chooses the degree."""
 SUPPORTS_IDLE_RANKS = True
 """Plans may leave ranks out of every stage (``Plan.idle_ranks``): the engine keeps such
 ranks out of its process groups and frees their copy of the model, and the strategy runs
