@@ -18,12 +18,13 @@ def rank_describer(plan: Plan, inventory: ClusterInventory | None):
     def describe(rank: int) -> str:
         if rank in plan.idle_ranks:
             return f"rank {rank} (idle)"
-        stage = plan.stage_of_rank(rank)
+        stages = plan.stages_of_rank(rank)
+        label = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"  # interleaved
         where = ""
         if inventory is not None and rank < inventory.world_size:
             gpu = inventory.gpus[rank]
             where = f", {gpu.gpu_type.name} on {gpu.machine}"
-        return f"rank {rank} (stage {stage}{where})"
+        return f"rank {rank} ({label}{where})"
 
     return describe
 
