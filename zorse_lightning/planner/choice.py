@@ -17,6 +17,10 @@ from zorse_lightning.planner.plan import Plan
 IDLE_MARGIN = 0.02
 """How much faster (a fraction of the iteration time) a plan leaving GPUs idle must be than the fastest plan
 using every GPU to be chosen."""
+INTERLEAVE_MARGIN = 0.02
+"""How much faster an interleaved plan must be than the same plan without interleaving to be chosen
+(:mod:`.interleave_choice`): it sends V times the messages and holds more activations, and its
+schedule is the engine's newest, so a tie in the model is no reason to take it."""
 
 
 def _ms(plan: Plan) -> float:

@@ -41,7 +41,7 @@ from zorse_lightning.planner.memory import (
     state_bytes_per_parameter,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
-from zorse_lightning.planner.schedule import Action, ActionKind, rank_programs
+from zorse_lightning.planner.schedule import Action, ActionKind, build_schedule
 from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated, update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import bytes_to_gib, gib_to_bytes
@@ -61,8 +61,9 @@ class CostContext:
     capacities_bytes: tuple[float, ...]
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
-    _activation_peaks: dict = field(default_factory=dict, compare=False, repr=False)
-    """Memo of :func:`rank_activation_bytes`: an interleaved plan's programs, played once."""
+    _programs: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :func:`schedule_programs`: an interleaved plan's programs, recorded once for its
+    memory and its simulation (a play of the 1F1B schedule takes seconds at 1024 GPUs)."""
 
     def microbatch_times(
         self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool
@@ -236,9 +237,9 @@ def stage_memory(
     parameters = stage_parameters_of(ctx, plan, index, stage)
     held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding, stage.gather_per_microbatch)
     if plan.interleave > 1:
-        peaks = rank_activation_bytes(ctx, plan)
+        peaks = rank_activation_bytes(ctx, plan, stage.ranks)
         return tuple(
-            RankMemory(held, sharded * fraction, peaks[r], ctx.reserves_bytes[r]) for r, fraction in zip(stage.ranks, fractions)
+            RankMemory(held, sharded * fraction, peak, ctx.reserves_bytes[r]) for r, fraction, peak in zip(stage.ranks, fractions, peaks)
         )
     first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
@@ -256,25 +257,28 @@ def stage_memory(
     return tuple(out)
 
 
-def rank_activation_bytes(ctx: CostContext, plan: Plan) -> dict[int, float]:
-    """Each working rank's peak of activations over its own program (:func:`.schedule.rank_programs`,
+def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
+    """The engine's programs of ``plan`` (:func:`.schedule.build_schedule`, validated), once per
+    plan shape in this context (a plan's sharding and prediction do not change them)."""
+    key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank, s.layers) for s in plan.stages))
+    if key not in ctx._programs:
+        ctx._programs[key] = build_schedule(plan).programs
+    return ctx._programs[key]
+
+
+def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...]) -> tuple[float, ...]:
+    """Each of ``ranks``' peak of activations over its own program (:func:`schedule_programs`,
     which the engine runs): a forward keeps its chunk's activations of one microbatch until that
     chunk's backward of it frees them. Interleaved plans only: how many chunk-forwards a rank holds
     at once comes from the recorded play of its schedule, not from a formula (plain plans keep
     :func:`microbatches_in_flight`, which their programs follow and which costs no play)."""
-    key = (plan.schedule, plan.interleave, plan.microbatch_size,
-           tuple((s.ranks, s.microbatches_per_rank, s.layers, s.recompute) for s in plan.stages))
-    if key not in ctx._activation_peaks:
-        last = len(plan.stages) - 1
-        per_microbatch = [
-            activation_bytes_per_microbatch(ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute)
-            for i, s in enumerate(plan.stages)
-        ]
-        programs = rank_programs(plan)
-        ctx._activation_peaks[key] = {
-            r: _peak_bytes(programs[r], per_microbatch) for group in plan.rank_groups for r in group.ranks
-        }
-    return ctx._activation_peaks[key]
+    last = len(plan.stages) - 1
+    per_microbatch = [
+        activation_bytes_per_microbatch(ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute)
+        for i, s in enumerate(plan.stages)
+    ]
+    programs = schedule_programs(ctx, plan)
+    return tuple(_peak_bytes(programs[r], per_microbatch) for r in ranks)
 
 
 def _peak_bytes(program: tuple[Action, ...], per_microbatch: list[float]) -> float:

@@ -52,6 +52,11 @@ class PlannerOptions:
     """Integer programs to solve per plan, for the candidates with the best heuristic splits
     first (one more may run: a candidate that fits only with recomputation is solved twice).
     0: the heuristic splits only, unless none of them fits."""
+    max_interleave: int = 4
+    """Most layer chunks (virtual stages) per group of ranks the planner tries on its best plan
+    (interleaving shortens the pipeline's fill and drain about V-fold at V times the activation
+    transfers and more activations in flight, :mod:`.interleave_choice`); 1: never interleave.
+    Offered only where the engine runs interleaved plans (``capabilities.SUPPORTS_INTERLEAVING``)."""
     stage_layout: tuple[tuple[int, ...], ...] | None = None
     """Pin: the stages in pipeline order, each a tuple of global ranks, every rank in exactly one."""
     layer_counts: tuple[int, ...] | None = None
@@ -78,6 +83,7 @@ class PlannerOptions:
             )
         _check_count("max_stages", self.max_stages, 1, "1: data parallel only; give e.g. 16")
         _check_count("max_programs", self.max_programs, 0, "0: heuristic splits only; give e.g. 8")
+        _check_count("max_interleave", self.max_interleave, 1, "layer chunks per group of ranks; 1: no interleaving; give e.g. 4")
         if self.stage_layout is not None:
             ranks = _integers("stage_layout", [r for s in self.stage_layout for r in s], "ranks", minimum=0)
             stages = tuple(tuple(int(r) for r in s) for s in self.stage_layout)

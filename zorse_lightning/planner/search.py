@@ -36,7 +36,7 @@ heuristic split it started from and its own solution, both priced).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
@@ -57,6 +57,7 @@ from zorse_lightning.planner.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
+from zorse_lightning.planner.interleave_choice import interleaved_if_faster
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -72,43 +73,10 @@ from zorse_lightning.planner.problem import (
     to_plan,
     with_free_memory_shards,
 )
+from zorse_lightning.planner.program_log import ProgramLog, ProgramRun
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.update import update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
-
-
-@dataclass(frozen=True)
-class ProgramRun:
-    """One integer program of the search, against the heuristic split of its candidate."""
-
-    stages: int
-    microbatch_size: int
-    recompute: bool
-    start_ms: float | None
-    """The candidate's heuristic split, priced (None: none fits)."""
-    warm_started: bool
-    """The program started from that split (it did when the split has the same recomputation)."""
-    plan_ms: float | None
-    """The program's solution, priced as the search keeps it (None: infeasible, or out of memory once priced)."""
-    best_before_ms: float | None
-    """The fastest plan the search held before this program (None: none yet)."""
-
-    @property
-    def gain(self) -> float | None:
-        """Relative improvement on the heuristic split (negative: slower); None without both."""
-        if self.start_ms is None or self.plan_ms is None:
-            return None
-        return (self.start_ms - self.plan_ms) / self.start_ms
-
-
-@dataclass
-class ProgramLog:
-    """Receives every program :func:`make_plan` solves (a recorder the caller owns)."""
-
-    runs: list[ProgramRun] = field(default_factory=list)
-
-    def add(self, run: ProgramRun) -> None:
-        self.runs.append(run)
 
 
 def make_plan(
@@ -175,8 +143,8 @@ def make_plan(
         notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
-    if idle_note:
-        notes = (*notes, idle_note)
+    best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave)
+    notes = (*notes, *(note for note in (idle_note, interleave_note) if note))
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 

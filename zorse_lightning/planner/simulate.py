@@ -46,9 +46,9 @@ from enum import Enum
 from zorse_lightning.planner.comm import transfer_ms
 from zorse_lightning.planner.compute import MicrobatchTimes
 from zorse_lightning.planner.boundaries import boundary_message_bytes
-from zorse_lightning.planner.evaluate import CostContext, PlanCost, plan_cost
+from zorse_lightning.planner.evaluate import CostContext, PlanCost, plan_cost, schedule_programs
 from zorse_lightning.planner.plan import Plan
-from zorse_lightning.planner.schedule import Action, ActionKind, Message, build_schedule, messages_of
+from zorse_lightning.planner.schedule import Action, ActionKind, Message, messages_of
 
 
 class EventKind(str, Enum):
@@ -91,7 +91,7 @@ class Timeline:
 def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     """Event simulation of one iteration of ``plan`` (see module docstring)."""
     cost = plan_cost(ctx, plan)
-    play = _Play(ctx, plan, cost, build_schedule(plan).programs)
+    play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
     play.run()
     events = play.events + _tail_events(plan, cost, play.free_at)
     return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)

@@ -1,0 +1,131 @@
+"""Whether the search's best plan runs faster interleaved, and at which degree.
+
+The search prices plain plans only (interleaving needs a plan to interleave, and each
+interleaved candidate's memory needs its programs recorded: seconds at 1024 GPUs,
+too much inside the search). Its best plan is then interleaved at each degree 2 ..
+``max_interleave`` it admits (every group needs a layer per chunk,
+:func:`.interleaving.degrees`); each keeps its groups' layer counts, so only the fill
+and drain (about V-fold shorter), the transfers (V-fold) and the activations in
+flight change. Where a degree does not fit, the groups of several GPUs are sharded
+as the search shards them (:data:`.problem.SEARCH_SHARDING`) and it is priced again.
+
+Two models must agree on the gain, by :data:`.choice.INTERLEAVE_MARGIN`: the closed
+form (the cost model's, which counts the fill and drain as Megatron's interleaved
+order does, :mod:`.chain`) and the event simulation of the engine's own programs,
+the plain plan's against the interleaved one's (:mod:`.simulate`, the same model on
+both sides, so the comparison is fair even where the simulation and the closed form
+differ on both). The simulation is the check because the programs are recorded from a
+play in unit steps: where their order departs from Megatron's (uneven shares, a rank's
+microbatches not a multiple of the groups, backwards twice the forwards) they keep
+less of the gain, sometimes none. The plan keeps the closed form's prediction, like
+every plan; its note gives both gains, or why interleaving lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from zorse_lightning import capabilities
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.choice import INTERLEAVE_MARGIN
+from zorse_lightning.planner.evaluate import CostContext, PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.interleaving import degrees, interleave
+from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
+from zorse_lightning.planner.simulate import simulate
+
+MOST_SIMULATED = 2
+"""Degrees checked by the simulation, fastest in the closed form first (each is a play of every
+rank's program: seconds at 1024 GPUs)."""
+
+
+@dataclass
+class Trial:
+    """One degree of interleaving, priced."""
+
+    degree: int
+    plan: Plan
+    cost: PlanCost | None
+    refused: str | None = None
+    """Why it cannot run (does not fit, no 1F1B order); None: it can."""
+    simulated_gain: float | None = None
+    """Its gain over the plain plan in the event simulation (None: not simulated)."""
+
+    @property
+    def ms(self) -> float:
+        return self.cost.iteration_ms
+
+
+def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan, str | None]:
+    """``plan``, or it interleaved where that wins in both models; with a note (None: not tried,
+    because the engine does not run interleaved plans, ``most`` < 2 or the plan has one stage)."""
+    tried = degrees(plan, most)[1:] if plan.interleave == 1 else []
+    if not (capabilities.SUPPORTS_INTERLEAVING and tried):
+        return plan, None
+    base = plan_cost(ctx, plan)
+    ceiling = base.fill_ms * (1 - 1 / tried[-1]) / base.iteration_ms
+    if ceiling <= INTERLEAVE_MARGIN:
+        return plan, (
+            f"not interleaved: the pipeline's fill and drain ({base.fill_ms:.1f} of {base.iteration_ms:.1f} ms) leave at most "
+            f"{ceiling:.1%} to gain at degree {tried[-1]} (interleaving must win by {INTERLEAVE_MARGIN:.0%})"
+        )
+    trials = [_trial(ctx, plan, degree) for degree in tried]
+    fitting = sorted((t for t in trials if t.refused is None and _gain(t.ms, base.iteration_ms) > INTERLEAVE_MARGIN), key=lambda t: t.ms)
+    plain_simulated_ms = simulate(ctx, plan).makespan_ms if fitting else 0.0
+    for trial in fitting[:MOST_SIMULATED]:
+        trial.simulated_gain = _gain(simulate(ctx, trial.plan).makespan_ms, plain_simulated_ms)
+        if trial.simulated_gain > INTERLEAVE_MARGIN:
+            chosen = replace(trial.plan, predicted=prediction(ctx, trial.plan, trial.cost))
+            return chosen, (
+                f"interleaved x{trial.degree}: each group of ranks holds {trial.degree} layer chunks, {_gain(trial.ms, base.iteration_ms):.1%} "
+                f"faster than without ({trial.ms:.1f} against {base.iteration_ms:.1f} ms; the engine's programs, simulated: "
+                f"{trial.simulated_gain:.1%} faster)"
+            )
+    reasons = "; ".join(_why_not(t, base) for t in trials)
+    return plan, f"not interleaved (tried x{tried[0]}-x{tried[-1]}, each must win by {INTERLEAVE_MARGIN:.0%}): {reasons}"
+
+
+def _gain(ms: float, plain_ms: float) -> float:
+    return 1 - ms / plain_ms
+
+
+def _trial(ctx: CostContext, plan: Plan, degree: int) -> Trial:
+    """``plan`` interleaved at ``degree`` and priced; sharded as the search shards where it does not
+    fit otherwise (more activations in flight)."""
+    candidate = interleave(plan, degree)
+    try:
+        cost = plan_cost(ctx, candidate)
+    except PlanningError as error:  # its programs cannot be recorded (no 1F1B order exists)
+        return Trial(degree, candidate, None, f"x{degree}: {error}")
+    over = memory_overruns(ctx, candidate, cost)
+    shardable = [i for i, s in enumerate(candidate.stages) if len(s.ranks) > 1 and s.sharding is Sharding.NONE]
+    if over and shardable:
+        sharded = replace(candidate, stages=tuple(
+            replace(s, sharding=SEARCH_SHARDING) if i in shardable else s for i, s in enumerate(candidate.stages)
+        ))
+        sharded = with_free_memory_shards(ctx, sharded)
+        sharded_cost = plan_cost(ctx, sharded)
+        if not memory_overruns(ctx, sharded, sharded_cost):
+            return Trial(degree, sharded, sharded_cost)
+    if over:
+        group, rank, gib = max(over, key=lambda o: o[2])
+        return Trial(degree, candidate, cost, f"x{degree} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)")
+    return Trial(degree, candidate, cost)
+
+
+def _why_not(trial: Trial, base: PlanCost) -> str:
+    """Why ``trial`` lost: it does not fit, or where its time goes against the plain plan's."""
+    if trial.refused is not None:
+        return trial.refused
+    head = f"x{trial.degree} {trial.ms:.1f} against {base.iteration_ms:.1f} ms"
+    if trial.simulated_gain is not None:
+        return f"{head} but only {trial.simulated_gain:.1%} faster in the simulation of the engine's programs"
+    fill = trial.cost.fill_ms - base.fill_ms
+    busiest = (trial.cost.pipeline_ms - trial.cost.fill_ms) - (base.pipeline_ms - base.fill_ms)
+    tail = trial.cost.tail_ms - base.tail_ms
+    why = f" (fill and drain {fill:+.1f} ms, busiest group or link {busiest:+.1f} ms"
+    why += f", synchronisation and step {tail:+.1f} ms)" if abs(tail) > 1e-9 else ")"
+    if busiest > 0:
+        why += ": its activations cross every chunk boundary"
+    return head + why
