@@ -160,7 +160,8 @@ class PlanCost:
         return self.pipeline_ms + self.tail_ms
 
 
-def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
+def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) -> StageCost:
+    """The stage's costs; ``memory`` False leaves its memory out (empty: see :func:`plan_cost`)."""
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
     by_type = {
@@ -179,7 +180,7 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int) -> StageCost:
         busy_ms=busy_ms,
         latency_ms=stage_latency_ms(totals, counts),
         sync_ms=stage_own_sync_ms(ctx, plan, index),
-        memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()),
+        memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()) if memory else (),
         update_ms=stage_update_ms(ctx, plan, index),
     )
 
@@ -299,8 +300,11 @@ def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tup
     )
 
 
-def plan_cost(ctx: CostContext, plan: Plan) -> PlanCost:
-    stages = tuple(stage_cost(ctx, plan, i) for i in range(len(plan.stages)))
+def plan_cost(ctx: CostContext, plan: Plan, memory: bool = True) -> PlanCost:
+    """The plan's costs. ``memory`` False prices its time only, with no memory per rank (an
+    interleaved plan's memory needs its programs recorded: seconds at 1024 GPUs), to rank
+    candidates before pricing the memory of the promising ones."""
+    stages = tuple(stage_cost(ctx, plan, i, memory) for i in range(len(plan.stages)))
     boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
     latencies, busy = pipeline_elements(ctx, plan, stages, boundaries)
     bottleneck = max(range(len(busy)), key=lambda e: busy[e] - latencies[e])

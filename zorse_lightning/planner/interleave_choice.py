@@ -35,9 +35,14 @@ from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
 from zorse_lightning.planner.simulate import simulate
 
-MOST_SIMULATED = 2
-"""Degrees checked by the simulation, fastest in the closed form first (each is a play of every
-rank's program: seconds at 1024 GPUs)."""
+MOST_RECORDING_WORK = 2**21
+"""Largest ``2 V M R`` (the actions of every program, ``2 V M`` per group of ranks, times the ``R``
+working ranks each step of the recording play looks at) for which a degree's programs are recorded:
+about 8 s on one core today (``bench/plan_scaling.py``'s 1024 GPUs need 1 M at degree 4). Beyond
+it the degree is not tried, to keep the planning-time goals (60 s at 1024 GPUs)."""
+MOST_CHECKED = 2
+"""Degrees whose memory is priced and which are simulated, fastest in the closed form first
+(each records and plays every rank's program: seconds at 1024 GPUs)."""
 
 
 @dataclass
@@ -46,7 +51,8 @@ class Trial:
 
     degree: int
     plan: Plan
-    cost: PlanCost | None
+    cost: PlanCost
+    """Its time, and its memory once :func:`_fitting` has priced it."""
     refused: str | None = None
     """Why it cannot run (does not fit, no 1F1B order); None: it can."""
     simulated_gain: float | None = None
@@ -59,7 +65,11 @@ class Trial:
 
 def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan, str | None]:
     """``plan``, or it interleaved where that wins in both models; with a note (None: not tried,
-    because the engine does not run interleaved plans, ``most`` < 2 or the plan has one stage)."""
+    because the engine does not run interleaved plans, ``most`` < 2 or the plan has one stage).
+
+    Every degree's time is priced first (no programs needed); only the :data:`MOST_CHECKED`
+    fastest that gain in the closed form get their memory priced (their programs recorded) and
+    are simulated, fastest first, until one wins."""
     tried = degrees(plan, most)[1:] if plan.interleave == 1 else []
     if not (capabilities.SUPPORTS_INTERLEAVING and tried):
         return plan, None
@@ -70,34 +80,57 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan
             f"not interleaved: the pipeline's fill and drain ({base.fill_ms:.1f} of {base.iteration_ms:.1f} ms) leave at most "
             f"{ceiling:.1%} to gain at degree {tried[-1]} (interleaving must win by {INTERLEAVE_MARGIN:.0%})"
         )
-    trials = [_trial(ctx, plan, degree) for degree in tried]
-    fitting = sorted((t for t in trials if t.refused is None and _gain(t.ms, base.iteration_ms) > INTERLEAVE_MARGIN), key=lambda t: t.ms)
-    plain_simulated_ms = simulate(ctx, plan).makespan_ms if fitting else 0.0
-    for trial in fitting[:MOST_SIMULATED]:
-        trial.simulated_gain = _gain(simulate(ctx, trial.plan).makespan_ms, plain_simulated_ms)
-        if trial.simulated_gain > INTERLEAVE_MARGIN:
-            chosen = replace(trial.plan, predicted=prediction(ctx, trial.plan, trial.cost))
-            return chosen, (
-                f"interleaved x{trial.degree}: each group of ranks holds {trial.degree} layer chunks, {_gain(trial.ms, base.iteration_ms):.1%} "
-                f"faster than without ({trial.ms:.1f} against {base.iteration_ms:.1f} ms; the engine's programs, simulated: "
-                f"{trial.simulated_gain:.1%} faster)"
-            )
-    reasons = "; ".join(_why_not(t, base) for t in trials)
-    return plan, f"not interleaved (tried x{tried[0]}-x{tried[-1]}, each must win by {INTERLEAVE_MARGIN:.0%}): {reasons}"
+    working = sum(len(group.ranks) for group in plan.rank_groups)
+    recordable = [d for d in tried if 2 * d * plan.num_microbatches * working <= MOST_RECORDING_WORK]
+    if not recordable:
+        return plan, (
+            f"not interleaved: recording the programs of x{tried[0]} ({plan.num_microbatches} microbatches on {working} GPUs) "
+            f"would take longer than planning may (2 V M R = {2 * tried[0] * plan.num_microbatches * working:,} > "
+            f"{MOST_RECORDING_WORK:,}); pin fewer microbatches to try it"
+        )
+    tried = recordable
+    timed = [_timed(ctx, plan, degree) for degree in tried]
+    promising = sorted((t for t in timed if t.refused is None and _gain(t.ms, base.iteration_ms) > INTERLEAVE_MARGIN), key=lambda t: t.ms)
+    reasons = {t.degree: _why_not(t, base) for t in timed if t not in promising}
+    plain_simulated_ms = None
+    for timing in promising[:MOST_CHECKED]:
+        trial = _fitting(ctx, timing)
+        if trial.refused is None and _gain(trial.ms, base.iteration_ms) > INTERLEAVE_MARGIN:
+            plain_simulated_ms = plain_simulated_ms or simulate(ctx, plan).makespan_ms
+            trial.simulated_gain = _gain(simulate(ctx, trial.plan).makespan_ms, plain_simulated_ms)
+            if trial.simulated_gain > INTERLEAVE_MARGIN:
+                chosen = replace(trial.plan, predicted=prediction(ctx, trial.plan, trial.cost))
+                return chosen, (
+                    f"interleaved x{trial.degree}: each group of ranks holds {trial.degree} layer chunks, "
+                    f"{_gain(trial.ms, base.iteration_ms):.1%} faster than without ({trial.ms:.1f} against "
+                    f"{base.iteration_ms:.1f} ms; the engine's programs, simulated: {trial.simulated_gain:.1%} faster)"
+                )
+        reasons[trial.degree] = _why_not(trial, base)
+    for timing in promising[MOST_CHECKED:]:
+        reasons[timing.degree] = f"x{timing.degree} {timing.ms:.1f} ms, not checked (slower than those checked)"
+    listed = "; ".join(reasons[d] for d in sorted(reasons))
+    return plan, f"not interleaved (tried x{tried[0]}-x{tried[-1]}, each must win by {INTERLEAVE_MARGIN:.0%}): {listed}"
 
 
 def _gain(ms: float, plain_ms: float) -> float:
     return 1 - ms / plain_ms
 
 
-def _trial(ctx: CostContext, plan: Plan, degree: int) -> Trial:
-    """``plan`` interleaved at ``degree`` and priced; sharded as the search shards where it does not
-    fit otherwise (more activations in flight)."""
+def _timed(ctx: CostContext, plan: Plan, degree: int) -> Trial:
+    """``plan`` interleaved at ``degree``, its time priced (not its memory)."""
     candidate = interleave(plan, degree)
+    return Trial(degree, candidate, plan_cost(ctx, candidate, memory=False))
+
+
+def _fitting(ctx: CostContext, timed: Trial) -> Trial:
+    """``timed`` with its memory priced; sharded as the search shards where it does not fit
+    otherwise (more activations in flight); refused where that does not fit either, or where its
+    programs cannot be recorded."""
+    candidate, degree = timed.plan, timed.degree
     try:
         cost = plan_cost(ctx, candidate)
-    except PlanningError as error:  # its programs cannot be recorded (no 1F1B order exists)
-        return Trial(degree, candidate, None, f"x{degree}: {error}")
+    except PlanningError as error:  # no 1F1B order exists for it
+        return Trial(degree, candidate, timed.cost, f"x{degree}: {error}")
     over = memory_overruns(ctx, candidate, cost)
     shardable = [i for i, s in enumerate(candidate.stages) if len(s.ranks) > 1 and s.sharding is Sharding.NONE]
     if over and shardable:

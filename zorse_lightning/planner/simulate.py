@@ -143,6 +143,8 @@ class _Play:
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
     _routes: dict[tuple[int, int, int], _Route] = field(default_factory=dict)
+    _messages: dict[tuple[int, int], tuple[Action, list[Message], list[Message]]] = field(default_factory=dict)
+    """(rank, position in its program) -> that action with its receives and sends."""
 
     def __post_init__(self) -> None:
         self.free_at = [0.0] * len(self.programs)
@@ -172,8 +174,11 @@ class _Play:
         program = self.programs[rank]
         if self.cursor[rank] == len(program):
             return None
-        action = program[self.cursor[rank]]
-        return (action, *messages_of(self.plan, rank, action))
+        key = (rank, self.cursor[rank])
+        if key not in self._messages:  # asked again at every look at the rank: routing a message walks the stage's shares
+            action = program[key[1]]
+            self._messages[key] = (action, *messages_of(self.plan, rank, action))
+        return self._messages[key]
 
     def start_of(self, rank: int) -> float | None:
         """When the rank's next action can start, or None while a message it needs is unsent."""
