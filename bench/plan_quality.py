@@ -34,9 +34,12 @@ started from, both priced; ``ilp`` sums them up (see :func:`ilp_summary`).
 
 The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
 "missing_plans", "median_ratio_to_bound", "median_stages_per_plan",
-"median_idle_gpus_per_plan", "ilp", "per_case": [...], "allow_idle_ranks", "skipped"}``
-(each case also gives its plan's stages, idle GPUs and sharding per stage: how the
-plan is shaped, beside how fast it is, and its own ``ilp``). Goals (issue 3): 0, 0
+"median_idle_gpus_per_plan", "interleaved_plans", "ilp", "per_case": [...], "allow_idle_ranks",
+"skipped"}`` (each case also gives its plan's stages, idle GPUs, sharding per stage and
+interleaving degree with the planner's note on it: how the plan is shaped, beside how
+fast it is, and its own ``ilp``; ``interleaved_plans``: plans per degree, 1 plain).
+``--interleaving`` / ``--no-interleaving`` overrides ``capabilities.SUPPORTS_INTERLEAVING``
+for the run (the planner reads it when it plans). Goals (issue 3): 0, 0
 and at most 1.5.
 """
 
@@ -53,6 +56,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from zorse_lightning import capabilities
 from zorse_lightning.capabilities import SUPPORTS_IDLE_RANKS
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
@@ -95,6 +99,10 @@ class Case:
     """Baselines whose plan leaves GPUs idle."""
     from_program: bool = False
     """The plan is an integer program's solution (not a heuristic split or an even split)."""
+    interleave: int | None = None
+    """The plan's chunks per group of ranks (None: no plan)."""
+    interleave_note: str = ""
+    """The planner's note on interleaving (the degree and gain, or why not)."""
 
     @property
     def ratio_to_bound(self) -> float | None:
@@ -136,6 +144,8 @@ class Case:
             "stages": self.stages,
             "idle_gpus": self.idle_gpus,
             "sharding": self.sharding,
+            "interleave": self.interleave,
+            "interleave_note": self.interleave_note,
             "ilp": ilp_summary(list(self.programs)) | {"plan_from_program": self.from_program},
         }
 
@@ -215,6 +225,8 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "idle_gpus": len(plan.idle_ranks),
         "sharding": ",".join(s.sharding_label for s in plan.stages),
         "from_program": not plan.solver.status.startswith(("no program beat", EVEN_SPLIT.status)),
+        "interleave": plan.interleave,
+        "interleave_note": next((n for n in plan.notes if "interleaved" in n), ""),
     }
     bound = compute_bound_ms(inventory, profile, batch, microbatch_sizes_of(batch, inventory.world_size, options))
     return Case(
@@ -230,7 +242,7 @@ def _ms(value: float | None) -> str:
 def case_table(cases: list[Case], title: str) -> Table:
     baseline_names = list(cases[0].baselines_ms) if cases else []
     table = Table(title=title)
-    columns = ("cluster", "model", "batch", "plan ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "sharding")
+    columns = ("cluster", "model", "batch", "plan ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "interleave", "sharding")
     for column in columns:
         table.add_column(column, justify="left" if column in ("cluster", "model") else "right")
     for case in cases:
@@ -246,6 +258,7 @@ def case_table(cases: list[Case], title: str) -> Table:
             "-" if ratio is None else f"{ratio:.2f}",
             "-" if case.stages is None else str(case.stages),
             "-" if case.idle_gpus is None else str(case.idle_gpus),
+            "-" if case.interleave is None else str(case.interleave),
             case.sharding or "-",
         )
     return table
@@ -286,6 +299,7 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
         "median_ratio_to_bound": statistics.median(ratios) if ratios else None,
         "median_stages_per_plan": statistics.median(c.stages for c in planned) if planned else None,
         "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
+        "interleaved_plans": {str(d): sum(c.interleave == d for c in planned) for d in sorted({c.interleave for c in planned})},
         "ilp": ilp_summary([r for c in cases for r in c.programs]) | {"plans_from_program": sum(c.from_program for c in cases)},
         "per_case": [c.as_json() for c in cases],
         "allow_idle_ranks": allow_idle_ranks,
@@ -302,8 +316,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clusters", nargs="+", default=sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--samples-per-gpu", type=int, default=SAMPLES_PER_GPU, help="global batch = this x GPUs")
+    parser.add_argument(
+        "--interleaving", action=argparse.BooleanOptionalAction, default=capabilities.SUPPORTS_INTERLEAVING,
+        help="let the planner interleave its plans (default: what the engine runs; --interleaving forces it on)",
+    )
+    parser.add_argument("--max-interleave", type=int, default=PlannerOptions.max_interleave)
     args = parser.parse_args(argv)
-    options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks)
+    capabilities.SUPPORTS_INTERLEAVING = args.interleaving  # read by the planner at call time
+    options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks, max_interleave=args.max_interleave)
     console = Console(width=None if Console().is_terminal else 180)
     warnings.simplefilter("ignore", MixedProfileSourcesWarning)  # expected: the data has holes (issue 3, section 1)
     cases: list[Case] = []
@@ -322,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['cases']} cases ({len(skipped)} skipped: nothing fits); worse than a baseline: "
         f"{result['worse_than_a_baseline']}; missing plans: {result['missing_plans']}; "
         f"median plan / bound: {result['median_ratio_to_bound']:.3f}; median stages per plan: "
-        f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}"
+        f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}; "
+        f"plans by interleaving degree: {result['interleaved_plans']} (interleaving offered: {args.interleaving})"
     )
     ilp = result["ilp"]
     console.print(

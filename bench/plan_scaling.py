@@ -9,7 +9,8 @@ machine, inside a rack of four machines, between racks). Model: a reference mode
 (default ``llama_7b``, 32 layers: enough for deep pipelines, too big for plain data
 parallel on the 16 GiB GPUs) at sequence length 512, float16; global batch
 :data:`SAMPLES_PER_GPU` samples per GPU. Planner options are the defaults
-(solver time limit 1 s per program, at most 8 programs).
+(solver time limit 1 s per program, at most 8 programs, interleaving up to degree 4 where
+the engine runs it; ``--interleaving`` / ``--no-interleaving`` overrides that for the run).
 
 The time is the planner's own (search and solve; profile and inventory building
 excluded), as ``python -m zorse_lightning.plan`` records it in plan.json. The last
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from testing.synthetic_cluster import synthetic_cluster
+from zorse_lightning import capabilities
 from zorse_lightning.planner import PlannerOptions, make_plan
 from zorse_lightning.profiling import MixedProfileSourcesWarning, reference_profile
 
@@ -40,11 +42,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", nargs="+", type=int, default=list(SIZES))
     parser.add_argument("--model", default="llama_7b")
+    parser.add_argument(
+        "--interleaving", action=argparse.BooleanOptionalAction, default=capabilities.SUPPORTS_INTERLEAVING,
+        help="let the planner interleave its plans (default: what the engine runs; --interleaving forces it on)",
+    )
     args = parser.parse_args(argv)
+    capabilities.SUPPORTS_INTERLEAVING = args.interleaving  # read by the planner at call time
     warnings.simplefilter("ignore", MixedProfileSourcesWarning)  # expected: the data has holes
     console = Console(width=None if Console().is_terminal else 140)
     table = Table(title=f"planning time, {args.model}, {SAMPLES_PER_GPU} samples per GPU")
-    for column in ("GPUs", "machines", "global batch", "stages", "microbatch", "predicted ms", "solver", "planner s", "goal s"):
+    for column in ("GPUs", "machines", "global batch", "stages", "interleave", "microbatch", "predicted ms", "solver", "planner s", "goal s"):
         table.add_column(column, justify="left" if column == "solver" else "right")
     seconds = []
     for num_gpus in args.gpus:
@@ -58,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
             str(num_gpus),
             str(len(inventory.machines)),
             str(batch),
-            str(len(plan.stages)),
+            str(plan.num_groups),
+            str(plan.interleave),
             str(plan.microbatch_size),
             f"{plan.predicted.iteration_ms:,.1f}",
             plan.solver.status,

@@ -3,6 +3,10 @@
 Idle ranks (in no stage: the plan is faster without them) get a row of their own,
 marked ``idle``, so a reader sees which GPUs the plan leaves unused and why none of
 the stages lists them.
+
+An interleaved plan has a row per group of ranks, since its GPUs, memory and sharding
+are the group's: the row names the group's stages (its chunks, in layer order) and
+their layers, and its time per microbatch sums them; the title gives the degree.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zorse_lightning.planner.evaluate import CostContext, plan_cost
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.units import bytes_to_gib
 
 
@@ -28,28 +32,34 @@ def _grouped(values: list[str]) -> str:
     return ", ".join(f"{count}x {value}" if count > 1 else value for value, count in Counter(values).items())
 
 
-def _idle_title(plan: Plan) -> str:
-    if not plan.idle_ranks:
-        return ""
-    return f"; {len(plan.idle_ranks)} of {plan.world_size} GPUs idle"
+def _title_extras(plan: Plan) -> str:
+    interleaved = f"; interleaved x{plan.interleave}: {plan.num_groups} groups of ranks" if plan.interleave > 1 else ""
+    idle = f"; {len(plan.idle_ranks)} of {plan.world_size} GPUs idle" if plan.idle_ranks else ""
+    return interleaved + idle
+
+
+def _layers(stage: StagePlan) -> str:
+    return f"{stage.layers[0]}-{stage.layers[1] - 1}"
 
 
 def plan_table(plan: Plan, ctx: CostContext) -> Table:
     cost = plan_cost(ctx, plan)
     table = Table(title=f"plan for {plan.model} on {plan.cluster}: {plan.schedule.value}, microbatch {plan.microbatch_size}, "
-                  f"{plan.num_microbatches} microbatches per iteration{_idle_title(plan)}")
+                  f"{plan.num_microbatches} microbatches per iteration{_title_extras(plan)}")
     for column in ("stage", "ranks", "GPUs", "layers", "microbatches per GPU", "memory GiB used/capacity", "ms per microbatch", "sharding"):
         table.add_column(column, no_wrap=column in ("GPUs", "ranks"))
-    for index, (stage, stage_cost) in enumerate(zip(plan.stages, cost.stages)):
+    for index, (stage, stage_cost) in enumerate(zip(plan.rank_groups, cost.stages)):
+        chunks = plan.stages_of_group(index)
         memory = [
             f"{bytes_to_gib(m.total_bytes):.3g}/{ctx.inventory.gpus[r].memory_gib:g}" for r, m in zip(stage.ranks, stage_cost.memory)
         ]
-        times = [f"{t.total_ms:.1f}" for t in stage_cost.times]
+        times = [f"{sum(cost.stages[s].times[k].total_ms for s in chunks):.1f}" for k in range(len(stage.ranks))]
+        layers = sum(plan.stages[s].num_layers for s in chunks)
         table.add_row(
-            str(index),
+            str(index) if plan.interleave == 1 else f"{index} ({','.join(map(str, chunks))})",
             _ranks(stage.ranks),
             _grouped(list(stage.gpu_types)),
-            f"{stage.layers[0]}-{stage.layers[1] - 1} ({stage.num_layers})",
+            f"{', '.join(_layers(plan.stages[s]) for s in chunks)} ({layers})",
             " ".join(map(str, stage.microbatches_per_rank)),
             _grouped(memory) if len(set(memory)) < len(memory) else " ".join(memory),
             _grouped(times) if len(set(times)) < len(times) else " ".join(times),

@@ -1,6 +1,10 @@
 """Draw one iteration of a plan: a row per GPU, bars for forward, backward, communication
 and the optimizer step, from :func:`zorse_lightning.planner.simulate`, which plays the
-engine's own per-rank programs, so the picture shows the order the engine runs."""
+engine's own per-rank programs, so the picture shows the order the engine runs.
+
+On an interleaved plan each row names its group's stages (chunks), and the forwards
+and backwards of a rank's later chunks are hatched (:data:`CHUNK_HATCHES`: none for its
+first chunk, ``//`` for the second...), so one sees which chunk runs when."""
 
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ COLOURS = {
 }
 
 
+CHUNK_HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
+"""Hatch of a compute bar by the rank's chunk it runs (0: its first), repeating past eight."""
+
+
 class TimelineEvent(Protocol):
     rank: int
     kind: str
@@ -38,15 +46,22 @@ def draw_plan_timeline(plan: Plan, ctx: CostContext, path: str | Path) -> Path:
     """Play one iteration of ``plan``'s engine programs in the cost model's times and draw it."""
     timeline = simulate(ctx, plan)
     labels = [f"{rank} {ctx.inventory.gpus[rank].gpu_type.name} idle" for rank in range(plan.world_size)]
-    for index, stage in enumerate(plan.stages):
+    for index, stage in enumerate(plan.rank_groups):
+        stages = "+".join(f"s{s}" for s in plan.stages_of_group(index))
         for rank, gpu_type, count in zip(stage.ranks, stage.gpu_types, stage.microbatches_per_rank):
-            labels[rank] = f"{rank} {gpu_type} s{index} ({count} mb)"
+            labels[rank] = f"{rank} {gpu_type} {stages} ({count} mb)"
+    interleaved = f", interleaved x{plan.interleave} (hatched: later chunks)" if plan.interleave > 1 else ""
     title = (
-        f"{plan.model} on {plan.cluster}: {plan.schedule.value}, {plan.num_microbatches} x {plan.microbatch_size} samples, "
-        f"predicted {timeline.predicted_iteration_ms:.1f} ms"
+        f"{plan.model} on {plan.cluster}: {plan.schedule.value}{interleaved}, {plan.num_microbatches} x {plan.microbatch_size} "
+        f"samples, predicted {timeline.predicted_iteration_ms:.1f} ms"
     )
+    computing = ("forward", "backward")
     return draw_timeline(
-        [_Plain(e.rank, e.kind.value, e.start_ms, e.end_ms) for e in timeline.events], labels, path, title
+        [
+            _Plain(e.rank, e.kind.value, e.start_ms, e.end_ms, e.stage // plan.num_groups if e.kind.value in computing else 0)
+            for e in timeline.events
+        ],
+        labels, path, title,
     )
 
 
@@ -56,6 +71,8 @@ class _Plain:
     kind: str
     start_ms: float
     end_ms: float
+    chunk: int = 0
+    """Which of its rank's chunks a forward or backward runs (0 unless interleaved)."""
 
 
 def draw_timeline(
@@ -75,16 +92,18 @@ def draw_timeline(
     figure, axes = plt.subplots(figsize=(12, min(height, 40)))
     # Communication is drawn as a thin bar at the bottom of the row so it never hides compute.
     # One call per row and kind: a call per event costs matplotlib a rescale each (seconds at 32 GPUs).
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    bars: dict[tuple[int, str, int], list[tuple[float, float]]] = defaultdict(list)
     for event in events:
-        bars[(event.rank, event.kind)].append((event.start_ms, max(event.end_ms - event.start_ms, 1e-6)))
-    for (rank, kind), spans in bars.items():
+        chunk = getattr(event, "chunk", 0)
+        bars[(event.rank, event.kind, chunk)].append((event.start_ms, max(event.end_ms - event.start_ms, 1e-6)))
+    for (rank, kind, chunk), spans in bars.items():
         communication = kind not in COMPUTE_KINDS
         axes.broken_barh(
             spans,
             (rank - 0.4, 0.25 if communication else 0.8),
             facecolors=COLOURS.get(kind, "#999999"),
             edgecolor="white" if not communication else None,
+            hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)] or None,
             linewidth=0.3,
         )
     axes.set_yticks(range(len(row_labels)))
