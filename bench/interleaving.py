@@ -1,6 +1,6 @@
 """Interleaved pipeline against the same pipeline without interleaving: measured and predicted.
 
-    .venv/bin/python -m bench.interleaving --width 512       # about 1 minute
+    .venv/bin/python -m bench.interleaving                   # about 1 minute
     .venv/bin/python -m bench.interleaving --types a100x40 v100x16 t4 t4 --per-rank-batch 4
 
 One emulated cluster of ``bench.big_model`` (four GPUs, the model's training state
@@ -44,6 +44,9 @@ class InterleavingConfig(BigModelConfig):
     per_rank_batch: int = 2
     """Eight sequences a step on four GPUs: few microbatches, so the bubble is a large share."""
     steps: int = 10
+    width: int = 512
+    """Blocks of tens of milliseconds: per-action costs of the engine (a chunk's call of the step, its
+    messages) stay small beside them, as on GPUs with real models."""
     emulation_slowdown: float = 8.0
     """The fastest type's slowdown: four ranks on two cores must stay within their emulated deadlines
     (at the default 3, half the calls overran at width 512: the CPU, not the emulated GPUs, set the pace)."""
