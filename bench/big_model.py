@@ -67,6 +67,10 @@ class BigModelConfig(BenchConfig):
     layers: int = 8
     seq_len: int = 32
     """Short: a stage's activations must fit beside its share of the weights."""
+    emulation_slowdown: float = 8.0
+    """The fastest type's slowdown (the run's and the ideal's): four ranks on two cores must stay within
+    their emulated deadlines (at 3, about half the calls of a width-512 model overran: the CPU, not the
+    emulated GPUs, set the pace)."""
     one_stage: int = 0
     """1: pin one stage of every GPU (the planner then must shard all state), to compare with its choice."""
 
@@ -95,6 +99,7 @@ def _worker(rank: int, out_dir: Path, cluster: dict, config: BigModelConfig) -> 
     strategy = ZorseStrategy(
         cluster=cluster,
         planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s, stage_layout=layout),
+        emulation_slowdown=config.emulation_slowdown,
     )
     trainer = _trainer(strategy, world_size, config, [clock], str(out_dir))
     with trainer.init_module(empty_init=True):
@@ -127,7 +132,7 @@ def bench_cluster(name: str, types: tuple[str, ...], config: BigModelConfig) -> 
     cluster = config.inventory(name, types)
     with tempfile.TemporaryDirectory() as out_dir:
         run = spawn_ranks(_worker, len(types), out_dir, cluster, config)[0]
-    solo = solo_samples_per_s(cluster, config, _costs_from_json(run["costs"]))
+    solo = solo_samples_per_s(cluster, config, _costs_from_json(run["costs"]), config.emulation_slowdown)
     ideal = sum(solo[t] for t in types)
     return {
         "cluster": name,

@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.emulation.emulator import (
+    DEFAULT_FASTEST_SLOWDOWN,
     ComputeEmulator,
     emulation_spec_for_rank,
     named_emulated_modules,
@@ -216,9 +217,12 @@ def run_cluster(cluster: str, config: BenchConfig, ddp: bool = True) -> dict:
         return spawn_ranks(_worker, world_size, out_dir, cluster, world_size, config, ddp)[0]
 
 
-def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallCost]) -> dict[str, float]:
+def solo_samples_per_s(
+    cluster: str, config: BenchConfig, costs: dict[str, CallCost], fastest_slowdown: float = DEFAULT_FASTEST_SLOWDOWN
+) -> dict[str, float]:
     """Per GPU type: samples/s of one process training the whole model alone at that type's speed, memory
-    unlimited (``config``: anything with ``model()``, ``dataset(n)``, ``per_rank_batch``, ``solo_steps``).
+    unlimited (``config``: anything with ``model()``, ``dataset(n)``, ``per_rank_batch``, ``solo_steps``);
+    ``fastest_slowdown``: the run's emulation's.
 
     On the run's calibrated ``costs`` (keyed by module name), so the types' rates
     differ by their slowdowns alone and match the speeds the run emulated.
@@ -228,7 +232,7 @@ def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallC
     first_of_type: dict[str, int] = {}
     for rank, gpu in enumerate(inventory.gpus):
         first_of_type.setdefault(gpu.gpu_type.name, rank)
-    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0), costs=costs)
+    emulator = ComputeEmulator(emulation_spec_for_rank(inventory, 0, fastest_slowdown), costs=costs)
     emulator.batch_samples = config.per_rank_batch
     named = named_emulated_modules(model)
     emulator.instrument([m for _, m in named], names=[n for n, _ in named])
@@ -237,7 +241,9 @@ def solo_samples_per_s(cluster: str, config: BenchConfig, costs: dict[str, CallC
     rates = {}
     for name, rank in first_of_type.items():
         # The ideal is each type's rate with memory unlimited: the whole model on one GPU of the type.
-        emulator.spec = replace(emulation_spec_for_rank(inventory, rank), memory_budget_bytes=UNLIMITED_BYTES)
+        emulator.spec = replace(
+            emulation_spec_for_rank(inventory, rank, fastest_slowdown), memory_budget_bytes=UNLIMITED_BYTES
+        )
         step_s = []
         for _ in range(1 + config.solo_steps):
             start = time.perf_counter()

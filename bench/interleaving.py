@@ -47,9 +47,6 @@ class InterleavingConfig(BigModelConfig):
     width: int = 512
     """Blocks of tens of milliseconds: per-action costs of the engine (a chunk's call of the step, its
     messages) stay small beside them, as on GPUs with real models."""
-    emulation_slowdown: float = 8.0
-    """The fastest type's slowdown: four ranks on two cores must stay within their emulated deadlines
-    (at the default 3, half the calls overran at width 512: the CPU, not the emulated GPUs, set the pace)."""
 
 
 def _fit(cluster: dict, config: InterleavingConfig, options: PlannerOptions, root: str) -> dict:
