@@ -11,7 +11,7 @@ users scale it: 256 to 1024 sequences of 512 tokens on 8 to 32 GPUs, 0.13 to
 0.5 M tokens, below the 0.5 to 1 M tokens models of these sizes are trained
 with (GPT-3's 1.3B to 6.7B: 1 to 2 M). Fewer samples per GPU make pipeline fill
 and drain and per-microbatch intercepts, which the bound leaves out, weigh more:
-at 8 samples per GPU the median ratio to the bound is about 1.58 (1.46 at 32). A case where
+at 8 samples per GPU the median ratio to the bound is about 1.57 (1.46 at 32). A case where
 neither the planner nor any baseline fits in memory (the reference models on the
 emulated ``cpu_sim`` clusters, whose budgets are a few hundred MiB) is listed as
 skipped, not counted.

@@ -153,7 +153,9 @@ def _why_not(trial: Trial, base: PlanCost) -> str:
         return trial.refused
     head = f"x{trial.degree} {trial.ms:.1f} against {base.iteration_ms:.1f} ms"
     if trial.simulated_gain is not None:
-        return f"{head} but only {trial.simulated_gain:.1%} faster in the simulation of the engine's programs"
+        gain = trial.simulated_gain
+        simulated = f"only {gain:.1%} faster" if gain >= 0 else f"{-gain:.1%} slower"
+        return f"{head}, but {simulated} in the simulation of the engine's programs"
     fill = trial.cost.fill_ms - base.fill_ms
     busiest = (trial.cost.pipeline_ms - trial.cost.fill_ms) - (base.pipeline_ms - base.fill_ms)
     tail = trial.cost.tail_ms - base.tail_ms
