@@ -20,10 +20,12 @@ def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, sched
 
 
 @pytest.mark.parametrize("degree", [1, 2, 4])
-def test_interleaved_1f1b_of_equal_stages_takes_megatrons_unit_steps(degree):
+@pytest.mark.parametrize("microbatches", [8, 12, 32])
+def test_interleaved_1f1b_of_equal_stages_takes_megatrons_unit_steps(degree, microbatches):
     """Equal single-GPU groups: 2 M V chunk-steps of work plus 2 (G - 1) of fill and drain, where the plain
-    pipeline takes V (2 M + 2 (G - 1)) in the same units: interleaving shrinks only the bubble, V-fold."""
-    groups, microbatches = 4, 8
+    pipeline takes V (2 M + 2 (G - 1)) in the same units: interleaving shrinks only the bubble, V-fold (also
+    with more than 2 G microbatches, where running ahead of Megatron's order once stalled the pipeline)."""
+    groups = 4
     plan = interleave(_equal_pipeline(groups, 4, microbatches), degree)
     assert plan.interleave == degree and len(plan.stages) == groups * degree
     schedule = build_schedule(plan)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -65,17 +66,26 @@ class StagePlan:
 
     def microbatch_ranges(self) -> dict[int, range]:
         """Microbatch indices each rank of the stage processes (contiguous shares in rank order)."""
+        return dict(self._ranges)
+
+    @cached_property
+    def _ranges(self) -> dict[int, range]:
+        """Computed once per stage: schedules ask for every microbatch's rank (most of the recording time
+        of a 1024-GPU plan's programs when rebuilt per call)."""
         ranges, start = {}, 0
         for rank, count in zip(self.ranks, self.microbatches_per_rank):
             ranges[rank] = range(start, start + count)
             start += count
         return ranges
 
+    @cached_property
+    def _rank_of(self) -> dict[int, int]:
+        return {j: rank for rank, share in self._ranges.items() for j in share}
+
     def rank_of_microbatch(self, microbatch: int) -> int:
-        for rank, microbatches in self.microbatch_ranges().items():
-            if microbatch in microbatches:
-                return rank
-        raise IndexError(f"microbatch {microbatch} is outside the stage's {self.num_microbatches}")
+        if microbatch not in self._rank_of:
+            raise IndexError(f"microbatch {microbatch} is outside the stage's {self.num_microbatches}")
+        return self._rank_of[microbatch]
 
     def effective_shard_fractions(self) -> tuple[float, ...]:
         return self.shard_fractions or tuple(1.0 / len(self.ranks) for _ in self.ranks)
