@@ -45,7 +45,7 @@ def _objective(problem: AssignmentProblem, counts, shares) -> float | None:
                 allowed = max(q for q in range(most + 1) if _fits(group, k, q, stage.max_in_flight))
                 flight = min(stage.max_in_flight, allowed)
             free += group.count * (group.capacity_bytes - group.fixed_bytes[k - 1] - group.activation_bytes[k - 1] * flight)
-            excess = max(excess, busiest * group.microbatch_ms[k - 1] - stage.latency_ms[k - 1])
+            excess = max(excess, busiest * (group.microbatch_ms[k - 1] + group.receive_ms) - stage.latency_ms[k - 1])
         if free + 1e-9 < stage.sharded_bytes[k - 1]:
             return None
         latency += stage.latency_ms[k - 1]
@@ -86,6 +86,7 @@ def random_problem(rng: random.Random, pin: bool = False) -> AssignmentProblem:
                     fixed_bytes=tuple(per_layer_bytes * k for k in range(1, num_layers + 1)),
                     activation_bytes=tuple(0.5 * k for k in range(1, num_layers + 1)),
                     capacity_bytes=rng.uniform(6.0, 14.0),
+                    receive_ms=rng.choice([0.0, rng.uniform(0.0, 1.0)]),
                 )
             )
         latency = tuple(max(g.microbatch_ms[k] for g in groups) for k in range(num_layers))

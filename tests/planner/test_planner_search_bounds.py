@@ -14,27 +14,39 @@ from zorse_lightning.planner.evaluate import CostContext
 from zorse_lightning.planner.grouping import stage_orders
 from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.problem import WindowCosts, block_extras
+from zorse_lightning.planner.comm import transfer_ms
+from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
 from zorse_lightning.planner.search import _heuristic_plan, _layouts, _lower_bound_ms
 
 from test_planner_fixtures import synthetic_profile
 
 
 def _stage_busy_ms(ctx, windows, layout, m, microbatches, counts) -> float:
-    """Busiest stage's compute (layers and the embedding or head), rank by rank."""
+    """Busiest stage's compute (layers and the embedding or head) and transfer waits, rank by rank."""
     last = len(layout) - 1
+    message_bytes = ctx.profile.layers[0].output_bytes_per_sample * m
     return max(
         n * (windows.time_ms(ctx.inventory.gpus[r].gpu_type.name, m, False)[k - 1]
-             + block_extras(ctx, ctx.inventory.gpus[r].gpu_type.name, m, s == 0, s == last)[0])
+             + block_extras(ctx, ctx.inventory.gpus[r].gpu_type.name, m, s == 0, s == last)[0]
+             + receive_wait_ms(ctx, layout, s, (r,), message_bytes))
         for s, (ranks, stage_microbatches, k) in enumerate(zip(layout, microbatches, counts))
         for r, n in zip(ranks, stage_microbatches)
     )
 
 
-@pytest.mark.parametrize("layer_scale", [None, (1.0, 2.5, 0.5, 1.0, 3.0, 1.0, 0.7, 1.0, 1.2, 0.9)])
-def test_balanced_layer_split_is_the_brute_force_optimum(layer_scale) -> None:
+@pytest.mark.parametrize(
+    ("layer_scale", "hidden", "vocab"),
+    [
+        (None, 2048, 50_000),
+        ((1.0, 2.5, 0.5, 1.0, 3.0, 1.0, 0.7, 1.0, 1.2, 0.9), 2048, 50_000),
+        (None, 256, 1000),  # small blocks: the transfers waited for move the optimum (compute alone: 3, 5, 2)
+    ],
+)
+def test_balanced_layer_split_is_the_brute_force_optimum(layer_scale, hidden: int, vocab: int) -> None:
     inventory = load_cluster("a10g_l4_t4")
-    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=10, layer_scale=layer_scale)
+    profile = synthetic_profile(
+        tuple(t.name for t in inventory.gpu_types), num_layers=10, hidden=hidden, vocab=vocab, layer_scale=layer_scale
+    )
     ctx = CostContext.build(inventory, profile)
     windows = WindowCosts(ctx)
     layout = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # A10G, L4, T4 machines
@@ -47,6 +59,20 @@ def test_balanced_layer_split_is_the_brute_force_optimum(layer_scale) -> None:
     )
     assert sum(counts) == 10 and min(counts) >= 1
     assert _stage_busy_ms(ctx, windows, layout, 2, microbatches, counts) == pytest.approx(best, rel=1e-12)
+
+
+def test_a_stage_waits_for_an_activation_and_a_gradient_from_before_and_a_gradient_from_after() -> None:
+    """The engine's blocking receives: per microbatch a middle stage waits for three transfers
+    (the previous stage's activation behind the gradient it sent there, the next stage's
+    gradient), the first for one, the last for two: what a split balancing compute alone leaves out."""
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=4096)
+    ctx = CostContext.build(inventory, profile)
+    layout = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # one machine per stage
+    message_bytes = profile.layers[0].output_bytes_per_sample * 4
+    one_ms = transfer_ms(message_bytes, *ctx.links.link(0, 4)[1:])
+    waits = [receive_wait_ms(ctx, layout, s, layout[s], message_bytes) for s in range(3)]
+    assert waits == pytest.approx([one_ms, 3 * one_ms, 2 * one_ms])
 
 
 def test_balanced_split_moves_layers_off_the_stage_with_the_head() -> None:

@@ -23,6 +23,7 @@ from zorse_lightning.planner.problem import (
     WindowCosts,
     block_extras,
     layout_plan,
+    receive_wait_ms,
     stage_plan,
     with_free_memory_shards,
 )
@@ -122,8 +123,9 @@ def balanced_layer_counts(
     max_layers: list[int] | None = None,
 ) -> list[int] | None:
     """Layers per stage (at least one each, at most ``max_layers``) minimising the busiest
-    stage's compute, the embedding and head included, for the given microbatches per
-    GPU; None when the caps leave no split.
+    stage's busy time, the embedding and head and the transfers its GPUs wait for
+    (:func:`.problem.receive_wait_ms`) included, for the given microbatches per GPU; None
+    when the caps leave no split.
 
     Greedy: every next layer goes to the stage that is least busy with it. A stage's
     busy time is convex in its layer count (a maximum over its GPUs of linear
@@ -133,19 +135,22 @@ def balanced_layer_counts(
     caps = max_layers or [num_layers - num_stages + 1] * num_stages
     if min(caps) < 1 or sum(caps) < num_layers:
         return None
-    busiest = []  # per stage: (gpu type, most microbatches on one GPU of that type)
-    for ranks, counts in zip(layout, microbatches):
+    message_bytes = max(b.output_bytes_per_sample for b in ctx.profile.layers) * microbatch_size
+    busiest = []  # per stage: (gpu type, most microbatches on one GPU of that type, its waits per microbatch)
+    for s, (ranks, counts) in enumerate(zip(layout, microbatches)):
+        by_type: dict[str, list[int]] = {}
         most: dict[str, int] = {}
         for rank, n in zip(ranks, counts):
             gpu_type = ctx.inventory.gpus[rank].gpu_type.name
+            by_type.setdefault(gpu_type, []).append(rank)
             most[gpu_type] = max(most.get(gpu_type, 0), n)
-        busiest.append(list(most.items()))
+        busiest.append([(t, most[t], receive_wait_ms(ctx, layout, s, tuple(of_type), message_bytes)) for t, of_type in by_type.items()])
 
     def busy_ms(stage: int, layers: int) -> float:
         first, last = stage == 0, stage == num_stages - 1
         return max(
-            n * (windows.time_ms(t, microbatch_size, recompute)[layers - 1] + block_extras(ctx, t, microbatch_size, first, last)[0])
-            for t, n in busiest[stage]
+            n * (windows.time_ms(t, microbatch_size, recompute)[layers - 1] + block_extras(ctx, t, microbatch_size, first, last)[0] + wait)
+            for t, n, wait in busiest[stage]
         )
 
     counts = [1] * num_stages

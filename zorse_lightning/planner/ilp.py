@@ -8,11 +8,13 @@ shares ``N`` microbatches as evenly as possible: the busiest holds
 ``q = ceil(N / c)``. With ``k_s`` layers on stage ``s`` the objective is::
 
     constant_ms + sum_s latency[s][k_s]
-                + max_{s, g} (q_g * time[g][k_s] - latency[s][k_s])
+                + max_{s, g} (q_g * (time[g][k_s] + receive_g) - latency[s][k_s])
                 + max_s tail[s][k_s]
 
 the pipeline formula of :mod:`.compute` (``tail``: the stage's synchronisation
-and optimizer step after its last backward) with each stage's latency taken over all
+and optimizer step after its last backward; ``receive_g``: the transfers a GPU of the
+group waits for per microbatch, which the engine's blocking receives add to its busy
+time, :func:`.compute.receiving_busy_ms`) with each stage's latency taken over all
 its groups (the cost model takes only GPUs with microbatches, and adds the
 boundaries' busy time and 1F1B's round-trip waits: it prices the solution after).
 Memory of every group: ``fixed[g][k] + activation[g][k] * f_g <= capacity_g``
@@ -47,6 +49,9 @@ class GroupCosts:
     activation_bytes: tuple[float, ...]
     """Per microbatch in flight."""
     capacity_bytes: float
+    receive_ms: float = 0.0
+    """Transfers a GPU of the group waits for per microbatch: busy time, but not the stage's latency
+    (the fill and drain count each boundary's transfers apart, in ``constant_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,8 @@ def solve_assignment(
                 prob += shares[s, g, k] <= group.count * copies[s, g, k]
             # 3.4 bottleneck: the group's work beyond the stage latency.
             prob += bottleneck >= pulp.lpSum(
-                group.microbatch_ms[k - 1] * copies[s, g, k] - stage.latency_ms[k - 1] * use[s, k] for k in options[s]
+                (group.microbatch_ms[k - 1] + group.receive_ms) * copies[s, g, k] - stage.latency_ms[k - 1] * use[s, k]
+                for k in options[s]
             )
         # 3.5 GPipe: sharded state fits the stage's free memory (uneven shards).
         if stage.max_in_flight is None:

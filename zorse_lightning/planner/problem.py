@@ -105,6 +105,21 @@ def boundary_transfer_ms(ctx: CostContext, sender: tuple[int, ...], receiver: tu
     return transfer_ms(message_bytes, high_gbps, low_us), transfer_ms(message_bytes, low_gbps, high_us)
 
 
+def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[int, ...], message_bytes: float) -> float:
+    """Per microbatch, the transfers a GPU of ``ranks`` (on stage ``stage`` of ``layout``) waits for,
+    over the slowest link to each neighbouring stage: the activation from the previous stage with
+    the gradient it sent there ahead of its notice, and the gradient from the next stage.
+
+    The engine's receives block (:func:`.compute.receiving_busy_ms`), so these waits add to the
+    stage's busy time per microbatch as its compute does: splits that balance compute alone leave
+    the stages with the most or slowest transfers (the middle ones, across slow links) busiest.
+    """
+    wait = 2 * boundary_transfer_ms(ctx, layout[stage - 1], ranks, message_bytes)[1] if stage > 0 else 0.0
+    if stage < len(layout) - 1:
+        wait += boundary_transfer_ms(ctx, layout[stage + 1], ranks, message_bytes)[1]
+    return wait
+
+
 def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
     """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
@@ -166,6 +181,7 @@ def build_problem(
                     fixed_bytes=tuple(h + ctx.reserve_bytes(group[0]) for h in held),
                     activation_bytes=tuple(a + extra_act for a in windows.activation_bytes(m, candidate.recompute)),
                     capacity_bytes=ctx.capacity_bytes(group[0]),
+                    receive_ms=receive_wait_ms(ctx, candidate.layout, s, group, message_bytes),
                 )
             )
         stages.append(
