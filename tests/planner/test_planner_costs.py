@@ -17,6 +17,7 @@ from zorse_lightning.planner.comm import (
     transfer_ms,
 )
 from zorse_lightning.planner.compute import (
+    EMULATED_ACTION_OVERHEAD_MS,
     pipeline_ms,
     receiving_busy_ms,
     round_trip_busy_ms,
@@ -244,3 +245,15 @@ def test_proportional_counts() -> None:
     assert proportional_counts(10, [3, 1]) == [8, 2]
     assert proportional_counts(5, [100, 1, 1], minimum=1) == [3, 1, 1]
     assert sum(proportional_counts(97, [0.3, 1.7, 2.2, 5.0])) == 97
+
+
+def test_the_engines_time_per_action_is_priced_on_emulated_clusters_only() -> None:
+    """Each forward and each backward of a stage pays the engine's own time once (so interleaving, with V
+    times the actions, pays it V times); on GPUs it is not priced."""
+    real = _ctx()
+    emulated = replace(real, inventory=replace(real.inventory, emulated=True), _microbatch_times={})
+    assert real.action_overhead_ms == 0.0 and emulated.action_overhead_ms == EMULATED_ACTION_OVERHEAD_MS > 0
+    plain = real.microbatch_times("a100x40", (0, 2), 1, first=False, last=False, recompute=False)
+    priced = emulated.microbatch_times("a100x40", (0, 2), 1, first=False, last=False, recompute=False)
+    assert priced.forward_ms == pytest.approx(plain.forward_ms + EMULATED_ACTION_OVERHEAD_MS)
+    assert priced.backward_ms == pytest.approx(plain.backward_ms + EMULATED_ACTION_OVERHEAD_MS)

@@ -21,6 +21,7 @@ from zorse_lightning.planner.boundaries import BoundaryCost, boundary_cost
 from zorse_lightning.planner.chain import pipeline_elements
 from zorse_lightning.planner.comm import LinkTable, gather_round_ms, stage_sync_ms
 from zorse_lightning.planner.compute import (
+    EMULATED_ACTION_OVERHEAD_MS,
     MicrobatchTimes,
     lockstep_busy_ms,
     pipeline_ms,
@@ -72,9 +73,16 @@ class CostContext:
         key = (gpu_type, layers, microbatch_size, first, last, recompute)
         if key not in self._microbatch_times:
             self._microbatch_times[key] = stage_microbatch_times(
-                self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute
+                self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
+                action_ms=self.action_overhead_ms,
             )
         return self._microbatch_times[key]
+
+    @property
+    def action_overhead_ms(self) -> float:
+        """The engine's time per action beyond compute (:data:`.compute.EMULATED_ACTION_OVERHEAD_MS`):
+        priced on emulated clusters, where it was measured; 0 on GPUs."""
+        return EMULATED_ACTION_OVERHEAD_MS if self.inventory.emulated else 0.0
 
     @classmethod
     def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
