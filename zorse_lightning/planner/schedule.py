@@ -229,17 +229,22 @@ class _RankPlay:
     """Microbatches per interleaving round (the number of groups)."""
     limit: int
     pending: list[Action] = field(init=False)
+    _position: dict[int, int] = field(init=False, repr=False)
+    """Each microbatch's place in :attr:`microbatches` (the preference key is asked for often)."""
+    _chunk: dict[int, int] = field(init=False, repr=False)
     in_flight: list[Action] = field(default_factory=list)
     program: list[Action] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._position = {j: k for k, j in enumerate(self.microbatches)}
+        self._chunk = {s: c for c, s in enumerate(self.chunks)}
         self.pending = sorted(
             (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches),
-            key=lambda action: self._key(action, self.chunks.index(action.stage)),
+            key=lambda action: self._key(action, self._chunk[action.stage]),
         )
 
     def _key(self, action: Action, chunk: int) -> tuple[int, int, int]:
-        position = self.microbatches.index(action.microbatch)
+        position = self._position[action.microbatch]
         return position // self.round_size, chunk, position % self.round_size
 
     def forwards(self) -> list[Action]:
@@ -251,7 +256,7 @@ class _RankPlay:
     def backwards(self) -> list[Action]:
         """Backwards of the forwards in flight, in preference order (the last chunk first)."""
         last = len(self.chunks) - 1
-        flights = sorted(self.in_flight, key=lambda a: self._key(a, last - self.chunks.index(a.stage)))
+        flights = sorted(self.in_flight, key=lambda a: self._key(a, last - self._chunk[a.stage]))
         return [Action(a.stage, ActionKind.BACKWARD, a.microbatch) for a in flights]
 
     def run(self, action: Action) -> None:
