@@ -21,6 +21,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, Plan, PlannerOptions, StagePlan, make_plan, plan_cost, simulate
 from zorse_lightning.planner.evaluate import memory_overruns, prediction
 from zorse_lightning.planner.interleave_choice import interleaved_if_faster
+from zorse_lightning.planner.simulate import EventKind
 from zorse_lightning.planner.interleaving import interleave
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 from zorse_lightning.reporting.plan_table import plan_table
@@ -237,5 +238,8 @@ def test_timeline_draws_an_interleaved_plan(tmp_path) -> None:
     from zorse_lightning.reporting.timeline import draw_plan_timeline
 
     ctx = CostContext.build(_inventory(2), _profile(8))
-    path = draw_plan_timeline(interleave(_plain(2, 4, 4), 2), ctx, tmp_path / "timeline.png")
+    plan = interleave(_plain(2, 4, 4), 2)
+    path = draw_plan_timeline(plan, ctx, tmp_path / "timeline.png")
     assert path.stat().st_size > 0
+    computed = {e.stage for e in simulate(ctx, plan).of_rank(0) if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)}
+    assert computed == {0, 2}  # rank 0's events name both of its chunks

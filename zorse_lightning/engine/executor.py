@@ -102,6 +102,9 @@ class PipelineEngine:
         self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
+        self._stage_of_parameter: dict[int, int] = {}
+        """The one stage of this rank whose backward gives a local parameter its gradient (by ``id``, set at
+        :meth:`prepare`; interleaved ranks have several stages)."""
         self._replaced: dict[int, nn.Parameter] = {}
         """Parameters given a new tensor on the device at :meth:`prepare` (old id -> new): optimizers made
         before it still name the old ones."""
@@ -154,6 +157,8 @@ class PipelineEngine:
             self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set())
             if self.sharded:
                 self.sharded.placed(self.local_parameters())
+        if self.cut is not None:
+            self._stage_of_parameter = self.cut.stages_of_parameters()
         _, shared = self._own_and_shared()
         stage_wide = self.sharded is None or not self.sharded.reduces_own_gradients
         everyone = self._local_with_holders() if stage_wide else [(p, self._holders[id(p)]) for p in shared]
@@ -309,10 +314,9 @@ class PipelineEngine:
         if not last_backward:
             return {}
         final = max(last_backward.values())
-        stage_of = self.cut.stages_of_parameters() if self.cut is not None else {}
         points: dict[int, list[nn.Parameter]] = {i: [] for i in last_backward.values()}
         for param in self.local_parameters():
-            stage = stage_of.get(id(param))
+            stage = self._stage_of_parameter.get(id(param))
             points[last_backward[stage] if stage in last_backward else final].append(param)
         return points
 

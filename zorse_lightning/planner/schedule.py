@@ -329,7 +329,8 @@ def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward
     kinds = (ActionKind.FORWARD,) if forward_only else (ActionKind.FORWARD, ActionKind.BACKWARD)
     for index, stage in enumerate(plan.stages):
         for rank, share in stage.microbatch_ranges().items():
-            if any(a.stage not in plan.stages_of_rank(rank) for a in programs[rank]):
+            mine = plan.stages_of_rank(rank)
+            if any(a.stage not in mine for a in programs[rank]):
                 raise PlanningError(f"rank {rank} of stage {index} has actions of another group's stage: {programs[rank]}")
             program = [a for a in programs[rank] if a.stage == index]
             for kind in kinds:
