@@ -1,6 +1,7 @@
 """A slow link between machines: the planner's plan against data parallel across the link.
 
     .venv/bin/python -m bench.slow_link                 # as root (network namespaces); about 5 minutes
+    .venv/bin/python -m bench.slow_link --collectives   # bare gloo collectives across the link; 1-2 minutes
 
 Each case is two "machines" (network namespaces, :mod:`testing.netns`)
 of two emulated CPU ranks each, joined by a link shaped with ``tc ... tbf``:
@@ -44,6 +45,17 @@ emulated compute is the prediction's compute; what is left of a miss is the
 model of communication and schedule. The last
 line printed is one JSON object: ``{"cases": [{"case", "link_mbit",
 "plan_samples_per_s", "dp_samples_per_s", "predicted_error_pct", ...}]}``.
+
+``--collectives`` times, instead of training, the collectives the engine's
+synchronisation is made of, bare, among the case's ranks (gloo, one process
+per rank, ``--collective-bytes`` each): an all-reduce, a reduce into each rank
+and a broadcast from each rank, the median of ``--collective-repeats`` between
+barriers, against the cost model's price of the same collective on the same
+inventory (:class:`zorse_lightning.planner.comm.LinkTable`), with the bytes each
+machine sent over its link. This is the measurement that found what the model
+missed across a slow link (``bench/README.md``). Last line: ``{"collectives":
+[{"case", "collective", "rank", "num_bytes", "measured_ms", "predicted_ms",
+"error_pct", "link_bytes_sent_per_machine"}]}``.
 """
 
 from __future__ import annotations
@@ -82,6 +94,10 @@ class BenchConfig:
     seq_len: int = 32
     vocab: int = 256
     solver_time_limit_s: float = 2.0
+    collective_bytes: int = 4 * 1024 * 1024
+    """``--collectives``: bytes of each collective (the engine's gradient bucket)."""
+    collective_repeats: int = 3
+    """``--collectives``: timed repeats of each collective after one untimed (the median is kept)."""
     emulation_slowdown: float = 5.0
     """The fastest emulated type's slowdown (ZorseStrategy's ``emulation_slowdown``). Above the default 3:
     here four ranks compute at once on two cores, and at 3 the emulated A100s overran their deadlines by up
@@ -188,6 +204,71 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     leave_world()
 
 
+def _collectives_worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
+    """One rank: bare collectives among all ranks, timed between barriers; rank 0 writes the results."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from testing.launch import leave_world
+    from testing.netns import uplink_sent_bytes
+    from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.planner.comm import LinkTable
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inventory = load_cluster(json.loads(Path(cluster_file).read_text()))
+    links, ranks = LinkTable(inventory), tuple(range(world))
+    first_of_machine = [inventory.ranks_by_machine[m][0] for m in inventory.ranks_by_machine]
+    buffer = torch.ones(config.collective_bytes // 4)
+
+    def one_hot(root: int) -> tuple[float, ...]:
+        """The whole message owned by ``root``: the model's price of one reduce into it or broadcast from it."""
+        return tuple(1.0 if r == root else 0.0 for r in ranks)
+
+    cases = [("all_reduce", None, lambda: dist.all_reduce(buffer), links.all_reduce_ms(ranks, buffer.nbytes))]
+    cases += [("reduce", root, lambda root=root: dist.reduce(buffer, dst=root),
+               links.to_owners_ms(ranks, buffer.nbytes, one_hot(root))) for root in ranks]
+    cases += [("broadcast", root, lambda root=root: dist.broadcast(buffer, src=root),
+               links.from_owners_ms(ranks, buffer.nbytes, one_hot(root))) for root in ranks]
+    results = []
+    for name, root, collective, predicted_ms in cases:
+        times_ms, sent = [], []
+        for repeat in range(config.collective_repeats + 1):
+            dist.barrier()
+            sent_before, started = uplink_sent_bytes(), time.perf_counter()
+            collective()
+            dist.barrier()
+            if repeat > 0:
+                times_ms.append((time.perf_counter() - started) * 1000.0)
+                sent.append(uplink_sent_bytes() - sent_before)
+        per_rank = [0] * world
+        dist.all_gather_object(per_rank, round(statistics.median(sent)))
+        measured_ms = statistics.median(times_ms)
+        results.append({
+            "collective": name, "rank": root, "num_bytes": buffer.nbytes, "measured_ms": round(measured_ms, 1),
+            "predicted_ms": round(predicted_ms, 1), "error_pct": round(100.0 * (predicted_ms - measured_ms) / measured_ms, 1),
+            "link_bytes_sent_per_machine": [per_rank[r] for r in first_of_machine],
+        })
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps(results))
+    leave_world()
+
+
+def bench_collectives(cluster: NetnsCluster, config: BenchConfig) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir, NetnsNetwork(cluster) as net:
+        cluster_file = Path(out_dir, "cluster.json")
+        cluster_file.write_text(json.dumps(cluster.inventory_mapping()))
+        config_args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(config).items()]
+        net.torchrun(["-m", "bench.slow_link", "--collectives", "--worker", str(cluster_file), out_dir, *config_args],
+                     log_dir=Path(out_dir), timeout_s=400)
+        results = json.loads(Path(out_dir, "result.json").read_text())
+    link_mbit = gbps_to_mbps(min(m.link_gbps for m in cluster.machines))
+    return [{"case": cluster.name, "link_mbit": link_mbit, **r} for r in results]
+
+
 def _error_pct(run: dict) -> float:
     return round(100.0 * (run["predicted_ms"] - run["measured_ms"]) / run["measured_ms"], 1)
 
@@ -218,15 +299,24 @@ def bench_case(cluster: NetnsCluster, config: BenchConfig) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--collectives", action="store_true", help="time bare collectives across the link instead")
     parser.add_argument("--worker", nargs=2, metavar=("CLUSTER_JSON", "OUT_DIR"), help=argparse.SUPPRESS)
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = vars(parser.parse_args(argv))
-    cases, worker = args.pop("cases"), args.pop("worker")
+    cases, worker, collectives = args.pop("cases"), args.pop("worker"), args.pop("collectives")
     config = BenchConfig(**args)
     if worker is not None:
-        _worker(worker[0], config, worker[1])
+        (_collectives_worker if collectives else _worker)(worker[0], config, worker[1])
+        return
+    if collectives:
+        rows = []
+        for name in cases:
+            rows += bench_collectives(CASES[name], config)
+            for row in rows[-(1 + 2 * CASES[name].world_size):]:
+                print(row, file=sys.stderr)
+        print(json.dumps({"collectives": rows}))
         return
     results = []
     for name in cases:

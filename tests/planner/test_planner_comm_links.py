@@ -68,20 +68,31 @@ def test_an_emulated_cluster_runs_gloo_and_a_gpu_cluster_nccl() -> None:
     assert LinkTable(gpus).backend is CollectiveBackend.NCCL
 
 
-def test_gloo_broadcast_from_either_machine_sends_twice_the_bytes_over_the_link() -> None:
+def test_gloo_broadcast_crosses_the_link_twice_or_three_times_by_where_the_root_sits() -> None:
     machine_of = {0: "box0", 1: "box0", 2: "box1", 3: "box1"}
-    # Root 0: round 0 sends 0 -> 1 (inside box0), round 1 sends 0 -> 2 and 1 -> 3 (both across).
+    # Root 0: it sends to 1 (inside box0) and 2 (across) at once, then 1 sends to 3 (across).
     phases = gloo_broadcast_phases((0, 1, 2, 3), 0, 1.0)
-    assert [set((f.source_rank, f.destination_rank) for f in p.flows) for p in phases] == [{(0, 1)}, {(0, 2), (1, 3)}]
-    assert _crossing_bytes(phases, machine_of) == [{}, {("box0", "box1"): 2.0}]
-    # Root 1: virtual ranks 1, 2, 3, 0: 1 -> 2 across, then 1 -> 3 and 2 -> 0, one each way.
+    assert [set((f.source_rank, f.destination_rank) for f in p.flows) for p in phases] == [{(0, 1), (0, 2)}, {(1, 3)}]
+    assert _crossing_bytes(phases, machine_of) == [{("box0", "box1"): 1.0}, {("box0", "box1"): 1.0}]
+    # Root 1 (virtual ranks 1, 2, 3, 0): it sends to 2 and 3 at once, both across; then 2 sends to 0, across.
     phases = gloo_broadcast_phases((0, 1, 2, 3), 1, 1.0)
-    assert _crossing_bytes(phases, machine_of) == [{("box0", "box1"): 1.0}, {("box0", "box1"): 1.0, ("box1", "box0"): 1.0}]
+    assert _crossing_bytes(phases, machine_of) == [{("box0", "box1"): 2.0}, {("box1", "box0"): 1.0}]
     links = LinkTable(_two_machines())
-    for root in range(4):
+    for root, link_times in zip(range(4), (2.0, 3.0, 2.0, 3.0)):
         shares = tuple(1.0 if r == root else 0.0 for r in range(4))
-        # Two link-times of the bytes whatever the root; the ring formula said 3/4 of one.
-        assert links.from_owners_ms((0, 1, 2, 3), BYTES, shares) == pytest.approx(_link_ms(2.0), rel=0.01)
+        # The ring formula said 3/4 of one link-time whatever the root.
+        assert links.from_owners_ms((0, 1, 2, 3), BYTES, shares) == pytest.approx(_link_ms(link_times), rel=0.01)
+
+
+def test_owners_broadcasts_started_together_run_two_at_a_time() -> None:
+    """Owners 0 and 1 together: 0 -> 2, 1 -> 2 and 1 -> 3 share the link (three quarters of the bytes),
+    then 1 -> 3 and 2 -> 0 go opposite ways (one quarter); owners 2 and 3 the same mirrored: two
+    link-times in all, where one after another the four would take 2.5."""
+    links = LinkTable(_two_machines())
+    together = links.from_owners_ms((0, 1, 2, 3), BYTES, (0.25,) * 4)
+    assert together == pytest.approx(_link_ms(2.0) + 4 * LATENCY_US / 1000.0, rel=0.01)
+    one_by_one = sum(links.from_owners_ms((0, 1, 2, 3), BYTES / 4, tuple(float(r == o) for r in range(4))) for o in range(4))
+    assert one_by_one == pytest.approx(_link_ms(2.5), rel=0.01)
 
 
 def test_gloo_reduce_crosses_the_link_one_and_a_quarter_times() -> None:
@@ -102,9 +113,9 @@ def test_sharded_gradients_across_the_link_cost_three_and_a_quarter_link_times_n
     links = LinkTable(_two_machines())
     ranks = (0, 1, 2, 3)
     sharded = stage_sync_ms(links, ranks, BYTES, BYTES, Sharding.OPTIMIZER_GRADIENTS)
-    # Each owner's quarter: reduce 1.25 + broadcast 2 link-times (plus, for roots 0 and 2, a first round
-    # inside their machine: under 0.2 %); four owners' latencies.
-    latencies_ms = 4 * (3 + 1 + 2) * LATENCY_US / 1000.0
+    # Each owner's quarter reduced, one after another: 1.25 link-times; broadcast two owners at a time: 2.
+    # Latencies: four reduces of 3 + 1 messages, two pairs of broadcasts of two phases.
+    latencies_ms = (4 * (3 + 1) + 2 * 2) * LATENCY_US / 1000.0
     assert sharded == pytest.approx(_link_ms(3.25) + latencies_ms, rel=2e-3)
     # What the ring formula over the slowest link gives, and what the bench measured twice its prediction for.
     ring_gbps, ring_us = links.ring(ranks)
@@ -120,7 +131,7 @@ def test_sharded_gradients_across_the_link_cost_three_and_a_quarter_link_times_n
 
 def test_an_owners_collectives_cost_by_where_it_sits() -> None:
     """Three ranks on box0, one on box1: a reduce to rank 3 gathers three quarters over the link, to rank 0
-    one quarter; a broadcast from rank 3 crosses once (round 0: 3 -> 0), from rank 0 once too (round 1: 1 -> 3)."""
+    one quarter; a broadcast from rank 3 sends to 0 and 1 at once (twice across), from rank 0 only 1 -> 3 crosses."""
     links = LinkTable(_two_machines((3, 1)))
     ranks = (0, 1, 2, 3)
     ring_ms = _link_ms(0.75) + 3 * LATENCY_US / 1000.0
@@ -128,6 +139,9 @@ def test_an_owners_collectives_cost_by_where_it_sits() -> None:
     to_near = links.to_owners_ms(ranks, BYTES, (1.0, 0.0, 0.0, 0.0))
     assert to_far == pytest.approx(ring_ms + _link_ms(0.75) + LATENCY_US / 1000.0, rel=1e-3)
     assert to_near == pytest.approx(ring_ms + _link_ms(0.25) + LATENCY_US / 1000.0, rel=1e-3)
+    assert links.from_owners_ms(ranks, BYTES, (0.0, 0.0, 0.0, 1.0)) == pytest.approx(_link_ms(2.0), rel=0.01)
+    # (plus its first phase inside box0 at 10 Gbit/s: 1 % of this one)
+    assert links.from_owners_ms(ranks, BYTES, (1.0, 0.0, 0.0, 0.0)) == pytest.approx(_link_ms(1.0), rel=0.02)
     # The plan's shares weigh each owner's price; a rank without a share makes no collective.
     weighted = stage_sync_ms(links, ranks, 0.0, BYTES, Sharding.OPTIMIZER_GRADIENTS, (0.5, 0.0, 0.0, 0.5))
     assert weighted == pytest.approx(links.to_owners_ms(ranks, BYTES / 2, (0.0, 0.0, 0.0, 1.0))

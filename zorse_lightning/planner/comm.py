@@ -26,18 +26,18 @@ per GPU pair.
 
 Collectives are priced as the backend runs them (:class:`CollectiveBackend`),
 as phases of point-to-point flows (:class:`Phase`) laid on those links: a phase
-lasts as long as its most loaded link needs. The number of times a collective's
-bytes cross a slow link depends on its algorithm and on where the ranks sit, and
-a formula of one ring's slowest link misses it: measured across a 100 Mbit/s
-link between two machines of two gloo ranks each (``bench/slow_link.py
---collectives``), a 4 MiB all-reduce took 568 ms (the ring: 1.5 x the bytes
-each way, 530 ms priced), a reduce to one rank 462 ms (a ring reduce-scatter,
-then the other machine's two chunks to the root: 1.25 x, 441 ms priced) and a
-broadcast 706 ms (gloo's binomial tree sends to both ranks of the far machine in
-its last round: 2 x the bytes in one direction, 706 ms priced), where the ring
-formula priced the latter two at 265 ms each. The data-parallel plan of
-``bench/slow_link.py`` shards gradients (one reduce and one broadcast per
-owner), so its step took twice its prediction.
+lasts as long as its most loaded link needs. How many times a collective's bytes
+cross a slow link depends on its algorithm and on where the ranks sit, and a
+formula of one ring's slowest link misses it. Measured across a 100 Mbit/s link
+between two machines of two gloo ranks each (``bench/slow_link.py
+--collectives``, 4 MiB): an all-reduce 568-584 ms (the ring: 1.5 x the bytes
+each way, priced 530), a reduce into one rank 454-495 ms (a ring reduce-scatter,
+then the far machine's two chunks to the root: 1.25 x, priced 442) and a
+broadcast 706 ms from rank 0 and 1051 from rank 1 (gloo's binomial tree: 2 and
+3 x the bytes one after another, priced 710 and 1059), where the ring formula
+priced a reduce and a broadcast at 265 ms each. The data-parallel plan of
+``bench/slow_link.py`` sharded gradients (a reduce and a broadcast per owner),
+so its step took twice its prediction: 4192 ms against 2310.
 
 Links are priced at :data:`LINK_EFFICIENCY` of their nominal rate (the
 inventory's ``bandwidth_gbps``): what a transport delivers of a link's rate.
@@ -167,23 +167,44 @@ def gloo_broadcast_phases(ranks: Sequence[int], root: int, num_bytes: float) -> 
     """gloo's broadcast of ``num_bytes`` from ``root`` to every rank of ``ranks`` (group order).
 
     A binomial tree (``gloo/broadcast.cc``) over the ranks renumbered from the
-    root (virtual rank ``v``: the ``v``-th rank after the root in group order): in
-    round ``i`` every virtual rank ``v < 2**i`` sends the whole message to
-    ``v + 2**i``, after it has received it. The stride doubles each round, so with
-    machines of contiguous ranks the last rounds cross between machines from
-    several ranks at once (four ranks on two machines: both ranks of the root's
-    machine send to the other's in the last round, twice the bytes over the link).
+    root (virtual rank ``v``: the ``v``-th rank after the root in group order):
+    ``v`` receives the whole message from ``v`` without its highest set bit, then
+    sends it to every ``v + 2**i`` (``2**i > v``, below n) at once: its sends are
+    not waited on between rounds, only its receive. So phase ``d`` holds the sends
+    of the ranks ``d - 1`` hops from the root (``popcount(v) == d - 1``), and the
+    root's sends share its links: four ranks on two machines, root 1 sends to 2
+    and 3 on the far machine together (twice the bytes over the link), then 2
+    sends to 0 (once more): three times the bytes, where root 0 needs two
+    (measured 1051 and 706 ms for 4 MiB at 100 Mbit/s; priced 1059 and 710).
     """
     n = len(ranks)
     if n <= 1 or num_bytes <= 0:
         return ()
     start = list(ranks).index(root)
     virtual = [ranks[(start + v) % n] for v in range(n)]
-    phases, stride = [], 1
-    while stride < n:
-        phases.append(Phase(tuple(Flow(virtual[v], virtual[v + stride], num_bytes) for v in range(min(stride, n - stride))), 1))
-        stride *= 2
-    return tuple(phases)
+    by_depth: dict[int, list[Flow]] = defaultdict(list)
+    for v in range(n):
+        stride = 1 << v.bit_length()  # v's children are v + 2**i for 2**i > v
+        while v + stride < n:
+            by_depth[v.bit_count()].append(Flow(virtual[v], virtual[v + stride], num_bytes))
+            stride *= 2
+    return tuple(Phase(tuple(by_depth[d]), 1) for d in sorted(by_depth))
+
+
+GLOO_ASYNC_THREADS = 2
+"""Worker threads of a gloo process group (``ProcessGroupGloo``'s default, two per device): collectives
+started asynchronously run this many at a time."""
+
+
+def concurrent(*collectives: tuple[Phase, ...]) -> tuple[Phase, ...]:
+    """Collectives running at the same time on threads of their own: their ``k``-th phases share the links."""
+    return tuple(
+        Phase(
+            tuple(flow for c in collectives if k < len(c) for flow in c[k].flows),
+            max(c[k].message_latencies for c in collectives if k < len(c)),
+        )
+        for k in range(max((len(c) for c in collectives), default=0))
+    )
 
 
 @dataclass(frozen=True)
@@ -286,45 +307,56 @@ class LinkTable:
 
     def to_owners_ms(self, ranks: tuple[int, ...], num_bytes: float, shares: tuple[float, ...]) -> float:
         """Each owner's share of ``num_bytes`` summed over ``ranks`` into that owner, as the engine does
-        (``engine.sharding.StageShards.reduce_to_owners``: one reduce per owner with a share).
+        (``engine.sharding.StageShards.reduce_to_owners``: one blocking reduce per owner with a share,
+        in group order).
 
         ``shares``: each rank's fraction, in the order of ``ranks`` (group order).
-        gloo: :func:`gloo_reduce_phases` per owner. NCCL: one ring reduce-scatter
-        of all the bytes (not measured here: NCCL's ring reduce carries an owner's
-        whole share over each edge of a chain, up to n/(n-1) of this price).
+        gloo: :func:`gloo_reduce_phases` per owner, one after another. NCCL: one
+        ring reduce-scatter of all the bytes (not measured here: NCCL's ring
+        reduce carries an owner's whole share over each edge of a chain, up to
+        n/(n-1) of this price).
         """
         if len(ranks) <= 1 or num_bytes <= 0:
             return 0.0
         if self.backend is CollectiveBackend.NCCL:
             return self._ring_share_ms(ranks, num_bytes)
-        return sum(
-            self._owner_ms(("gloo_reduce", ranks, root), share * num_bytes, lambda root=root: gloo_reduce_phases(ranks, root, 1.0))
-            for root, share in zip(ranks, shares)
-        )
+        per_byte_ms, latency_ms = self._linear_ms(("to_owners", ranks, shares), lambda: tuple(
+            phase for root, share in zip(ranks, shares) for phase in gloo_reduce_phases(ranks, root, share)
+        ))
+        return num_bytes * per_byte_ms + latency_ms
 
     def from_owners_ms(self, ranks: tuple[int, ...], num_bytes: float, shares: tuple[float, ...]) -> float:
         """Each owner's share of ``num_bytes`` sent to every other rank of ``ranks``, as the engine does
-        (``StageShards.broadcast_from_owners``: one broadcast per owner with a share). gloo:
-        :func:`gloo_broadcast_phases` per owner. NCCL: one ring all-gather (see :meth:`to_owners_ms`)."""
+        (``StageShards.start_broadcast``: one broadcast per owner with a share, all started at once, then
+        waited for).
+
+        gloo: :func:`gloo_broadcast_phases` per owner, :data:`GLOO_ASYNC_THREADS`
+        owners at a time in group order (:func:`concurrent`): measured across
+        100 Mbit/s, four owners' 1 MiB each took 724 ms started at once and 878
+        ms one after another (priced 706 and 883). NCCL: one ring all-gather (see
+        :meth:`to_owners_ms`).
+        """
         if len(ranks) <= 1 or num_bytes <= 0:
             return 0.0
         if self.backend is CollectiveBackend.NCCL:
             return self._ring_share_ms(ranks, num_bytes)
-        return sum(
-            self._owner_ms(("gloo_broadcast", ranks, root), share * num_bytes, lambda root=root: gloo_broadcast_phases(ranks, root, 1.0))
-            for root, share in zip(ranks, shares)
-        )
+
+        def phases() -> tuple[Phase, ...]:
+            owners = [(root, share) for root, share in zip(ranks, shares) if share > 0]
+            running = [owners[i : i + GLOO_ASYNC_THREADS] for i in range(0, len(owners), GLOO_ASYNC_THREADS)]
+            return tuple(
+                phase
+                for together in running
+                for phase in concurrent(*(gloo_broadcast_phases(ranks, root, share) for root, share in together))
+            )
+
+        per_byte_ms, latency_ms = self._linear_ms(("from_owners", ranks, shares), phases)
+        return num_bytes * per_byte_ms + latency_ms
 
     def _ring_share_ms(self, ranks: tuple[int, ...], num_bytes: float) -> float:
         """(n-1)/n of the bytes over every ring edge: a ring reduce-scatter's or all-gather's traffic."""
         n = len(ranks)
         per_byte_ms, latency_ms = self._linear_ms(("ring_share", ranks), lambda: (ring_phase(ranks, (n - 1) / n),))
-        return num_bytes * per_byte_ms + latency_ms
-
-    def _owner_ms(self, key: tuple, num_bytes: float, phases_of_one_byte: Callable[[], tuple[Phase, ...]]) -> float:
-        if num_bytes <= 0:  # an owner without a share makes no collective
-            return 0.0
-        per_byte_ms, latency_ms = self._linear_ms(key, phases_of_one_byte)
         return num_bytes * per_byte_ms + latency_ms
 
 
