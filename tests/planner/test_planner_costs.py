@@ -17,7 +17,6 @@ from zorse_lightning.planner.comm import (
     transfer_ms,
 )
 from zorse_lightning.planner.compute import (
-    EMULATED_ACTION_OVERHEAD_MS,
     pipeline_ms,
     receiving_busy_ms,
     round_trip_busy_ms,
@@ -247,13 +246,16 @@ def test_proportional_counts() -> None:
     assert sum(proportional_counts(97, [0.3, 1.7, 2.2, 5.0])) == 97
 
 
-def test_the_engines_time_per_action_is_priced_on_emulated_clusters_only() -> None:
+def test_the_engines_time_per_action_is_priced_as_measured_on_every_kind_of_rank() -> None:
     """Each forward and each backward of a stage pays the engine's own time once (so interleaving, with V
-    times the actions, pays it V times); on GPUs it is not priced."""
+    times the actions, pays it V times), as start-up measured it on that GPU type, GPUs included."""
     real = _ctx()
-    emulated = replace(real, inventory=replace(real.inventory, emulated=True), _microbatch_times={})
-    assert real.action_overhead_ms == 0.0 and emulated.action_overhead_ms == EMULATED_ACTION_OVERHEAD_MS > 0
+    devices = dict(real.profile.devices)
+    devices["a100x40"] = replace(devices["a100x40"], action_overhead_ms=0.7)
+    measured = replace(real, profile=replace(real.profile, devices=devices), _microbatch_times={})
+    assert real.action_overhead_ms("a100x40") == 0.0 and measured.action_overhead_ms("a100x40") == 0.7
     plain = real.microbatch_times("a100x40", (0, 2), 1, first=False, last=False, recompute=False)
-    priced = emulated.microbatch_times("a100x40", (0, 2), 1, first=False, last=False, recompute=False)
-    assert priced.forward_ms == pytest.approx(plain.forward_ms + EMULATED_ACTION_OVERHEAD_MS)
-    assert priced.backward_ms == pytest.approx(plain.backward_ms + EMULATED_ACTION_OVERHEAD_MS)
+    priced = measured.microbatch_times("a100x40", (0, 2), 1, first=False, last=False, recompute=False)
+    assert priced.forward_ms == pytest.approx(plain.forward_ms + 0.7)
+    assert priced.backward_ms == pytest.approx(plain.backward_ms + 0.7)
+

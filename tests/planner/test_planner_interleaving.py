@@ -153,7 +153,7 @@ def test_chosen_where_fill_and_drain_dominate(interleaving_offered: None) -> Non
     assert chosen.interleave == 4  # (8 + 3/4) t against (8 + 3) t: 20 % faster
     assert chosen.predicted.iteration_ms == pytest.approx(plan_cost(ctx, chosen).iteration_ms)
     assert chosen.predicted.iteration_ms < plain.predicted.iteration_ms * 0.85
-    assert note.startswith("interleaved x4") and "20.4% faster" in note and "simulated: 20.4% faster" in note
+    assert note.startswith("interleaved x4") and "simulated, 20.4% faster" in note and "closed form's gain: 20.5%" in note
 
 
 def test_refused_where_a_slow_link_carries_v_times_the_transfers(interleaving_offered: None) -> None:

@@ -16,24 +16,34 @@ from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
-from zorse_lightning.startup.plan_at_start import block_calls, within_profiled_sizes
+from zorse_lightning.startup.plan_at_start import block_calls, sizes_to_profile, within_profiled_sizes
 from zorse_lightning.strategy.start import quiet_training_step
 
 
-def test_sizes_above_the_profiled_ones_are_dropped_with_a_note():
-    options, note = within_profiled_sizes(PlannerOptions(microbatch_sizes=(1, 2, 4, 8)))
-    assert options.microbatch_sizes == (1, 2)
-    assert note is not None and "[4, 8]" in note and "microbatch_size" in note
+def test_start_up_profiles_every_size_the_batch_allows_and_the_whole_local_batch():
+    options = PlannerOptions(microbatch_sizes=(1, 2, 4, 8, 16, 32))
+    assert sizes_to_profile(options, 8) == (1, 2, 4, 8)
+    assert sizes_to_profile(options, 6) == (1, 2, 4, 6)  # one microbatch of the whole local batch
+    assert sizes_to_profile(PlannerOptions(microbatch_sizes=(3,)), 4) == (1, 2, 3, 4)
+    assert sizes_to_profile(PlannerOptions(microbatch_size=3), 8) == (1, 2, 3, 4, 8)
 
 
-def test_only_sizes_above_the_profiled_ones_is_an_error_not_a_silent_one():
-    with pytest.raises(PlanningError, match=r"microbatch_sizes=\[4, 8\] are all above 2.*pin one with microbatch_size"):
-        within_profiled_sizes(PlannerOptions(microbatch_sizes=(4, 8)))
+def test_sizes_beyond_the_measured_ones_are_dropped_with_a_note_saying_why():
+    options, note = within_profiled_sizes(PlannerOptions(microbatch_sizes=(1, 2, 4, 8)), (1, 2, 4), "4 samples per rank")
+    assert options.microbatch_sizes == (1, 2, 4)
+    assert note is not None and "[8]" in note and "measured sizes [1, 2, 4]" in note and "4 samples per rank" in note
 
 
-def test_a_pinned_size_is_kept_as_it_is():
+def test_the_largest_measured_size_is_a_candidate_even_off_the_list():
+    options, _ = within_profiled_sizes(PlannerOptions(microbatch_sizes=(1, 2, 4)), (1, 2, 4, 6))
+    assert options.microbatch_sizes == (1, 2, 4, 6)
+
+
+def test_a_pinned_size_is_kept_when_measured_and_refused_when_not():
     options = PlannerOptions(microbatch_size=8)
-    assert within_profiled_sizes(options) == (options, None)
+    assert within_profiled_sizes(options, (1, 2, 4, 8)) == (options, None)
+    with pytest.raises(PlanningError, match=r"microbatch_size=8 was not measured.*\[1, 2, 4\].*8 did not fit on t4"):
+        within_profiled_sizes(options, (1, 2, 4), "8 did not fit on t4")
 
 
 def test_blocks_and_edges_are_timed_through_the_one_emulation_given(monkeypatch):
@@ -51,14 +61,15 @@ def test_blocks_and_edges_are_timed_through_the_one_emulation_given(monkeypatch)
     blocks = find_block_list(model)
     batch = (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
     step = quiet_training_step(model)
-    calls = [first_block_call(blocks.blocks[0], lambda: step(microbatch_slice(batch, 0, size))) for size in (1, 2)]
+    calls = {size: first_block_call(blocks.blocks[0], lambda: step(microbatch_slice(batch, 0, size))) for size in (1, 2)}
     emulation = RankEmulation(load_cluster("cpu_sim2"), rank=1, fastest_slowdown=5.0)
     measured = type_profile.measure_type_profile(
         model, blocks, calls, batch, step, torch.device("cpu"),
-        "v100x16", emulation, costs=None,
+        "v100x16", emulation, costs=None, optimizer=lambda params: torch.optim.AdamW(params),
     )
     assert built == [emulation, emulation]
-    assert measured.times.head.forward.at(1) > 0 and measured.times.optimizer_ms_per_million_parameters > 0
+    assert measured.sizes == (1, 2)
+    assert measured.blocks.times.head.forward.at(1) > 0 and measured.blocks.times.optimizer_ms_per_million_parameters > 0
 
 
 def test_blocks_that_cannot_run_with_one_real_block_are_a_cut_error_naming_block_path():
@@ -81,4 +92,4 @@ def test_blocks_that_cannot_run_with_one_real_block_are_a_cut_error_naming_block
     batch = torch.randn(2, 4)
     with first_block_view(model, blocks, torch.device("cpu")):
         with pytest.raises(CutError, match=r"layers\[0\] the only real block.*block_path="):
-            block_calls(blocks, lambda size: lambda: model(batch[:size]), 2)
+            block_calls(blocks, lambda size: lambda: model(batch[:size]), (1, 2))

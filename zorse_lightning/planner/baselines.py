@@ -30,6 +30,7 @@ from zorse_lightning.planner.problem import layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search import make_plan
+from zorse_lightning.planner.simulate import with_simulated_prediction
 from zorse_lightning.profiling.profile import ModelProfile
 
 def _best(plans) -> Plan | None:
@@ -37,8 +38,10 @@ def _best(plans) -> Plan | None:
     return min(fitting, key=lambda p: p.predicted.iteration_ms, default=None)
 
 
-def _sizes(global_batch_size: int, options: PlannerOptions) -> list[int]:
-    return [m for m in options.microbatch_sizes if global_batch_size % m == 0]
+def _sizes(global_batch_size: int, options: PlannerOptions, profile: ModelProfile) -> list[int]:
+    """Candidate sizes dividing the global batch, measured ones only on a measured profile (as the search)."""
+    measured = profile.measured_sizes
+    return [m for m in options.microbatch_sizes if global_batch_size % m == 0 and (measured is None or m in measured)]
 
 
 def data_parallel_equal(
@@ -56,7 +59,9 @@ def data_parallel_equal(
         return None
     per_gpu = global_batch_size // world
     plans = []
-    for m in sorted({per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}, reverse=True):
+    measured = profile.measured_sizes
+    wanted = {per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}
+    for m in sorted((m for m in wanted if measured is None or m in measured), reverse=True):
         count = per_gpu // m
         stage = stage_plan(ctx, tuple(range(world)), (0, profile.num_layers), (count,) * world, Sharding.NONE, False)
         how = "one microbatch" if count == 1 else f"accumulating {count} microbatches of {m}"
@@ -69,7 +74,7 @@ def _best_proportional(ctx, layout, global_batch_size: int, options: PlannerOpti
     """The best proportional split of ``layout`` over the microbatch sizes, with and without recomputation."""
     plans = [
         priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute, **kwargs))
-        for m in _sizes(global_batch_size, options)
+        for m in _sizes(global_batch_size, options, ctx.profile)
         for recompute in (False, True)
     ]
     best = _best(plans)
@@ -138,12 +143,18 @@ def fastest_type_alone(
 def all_baselines(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> dict[str, Plan | None]:
-    """Every baseline by name, in the order reports print them."""
+    """Every baseline by name, in the order reports print them, each predicted as the plan is: by the
+    simulation of the engine's programs (:func:`.simulate.with_simulated_prediction`)."""
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+
+    def simulated(plan: Plan | None) -> Plan | None:
+        return None if plan is None else with_simulated_prediction(ctx, plan)
+
     return {
-        "data_parallel_equal": data_parallel_equal(inventory, profile, global_batch_size, options),
-        "fastest_type_alone": fastest_type_alone(inventory, profile, global_batch_size, options),
-        "proportional_heuristic": proportional_heuristic(inventory, profile, global_batch_size, options),
-        "cephalo": cephalo(inventory, profile, global_batch_size, options),
+        "data_parallel_equal": simulated(data_parallel_equal(inventory, profile, global_batch_size, options)),
+        "fastest_type_alone": fastest_type_alone(inventory, profile, global_batch_size, options),  # a make_plan's
+        "proportional_heuristic": simulated(proportional_heuristic(inventory, profile, global_batch_size, options)),
+        "cephalo": simulated(cephalo(inventory, profile, global_batch_size, options)),
     }
 
 

@@ -65,24 +65,15 @@ def _blocks(device: DeviceTimes, layers: tuple[int, int], first: bool, last: boo
     return blocks
 
 
-EMULATED_ACTION_OVERHEAD_MS = 3.0
-"""The engine's own time per action (one microbatch's forward or backward on one stage or
-chunk) beyond the blocks' compute, on emulated (CPU) clusters: the user's step called up to
-the stage's blocks (stand-in embedding, blocks passing their input on), the stage's end,
-the transfers' calls. Measured on this 2-core machine with 4 gloo ranks and a GPT too small
-to compute: 3.2 to 4.7 ms an action (a 16-layer pipeline of 4 stages, 32 microbatches, plain
-and interleaved x2, x4). Unpriced, an interleaved x4 plan of ``bench.big_model``'s near_speeds
-cluster at 16 layers was predicted 6 % faster than plain and measured 19 % slower (x4 the
-actions). On GPUs it is the host's Python per action, hidden behind the device's queue where
-kernels are long; not measured here (no GPU lent), so not priced (0)."""
-
-
 def stage_microbatch_times(
     device: DeviceTimes, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool,
     action_ms: float = 0.0,
 ) -> MicrobatchTimes:
     """Time of one microbatch of ``microbatch_size`` samples through the stage's blocks, and
-    ``action_ms`` for the engine's own work around its forward and around its backward.
+    ``action_ms`` for the engine's own work around its forward and around its backward (measured at
+    start-up on every rank: the user's step called with every block passing its input on; on
+    emulated CPU ranks 3.2 to 4.7 ms an action were seen with 4 gloo ranks on 2 cores, and
+    unpriced, an interleaved x4 plan was predicted 6 % faster than plain and measured 19 % slower).
 
     Recomputation reruns the forward of the layers (not embedding or head) during
     the backward.

@@ -21,7 +21,6 @@ from zorse_lightning.planner.boundaries import BoundaryCost, boundary_cost
 from zorse_lightning.planner.chain import pipeline_elements
 from zorse_lightning.planner.comm import LinkTable, gather_round_ms, stage_sync_ms
 from zorse_lightning.planner.compute import (
-    EMULATED_ACTION_OVERHEAD_MS,
     MicrobatchTimes,
     lockstep_busy_ms,
     pipeline_ms,
@@ -38,8 +37,9 @@ from zorse_lightning.planner.memory import (
     reserve_gib,
     shard_fractions_by_free_memory,
     stage_parameter_counts,
+    optimizer_step_bytes,
+    profile_state_bytes,
     stage_state_bytes,
-    state_bytes_per_parameter,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
 from zorse_lightning.planner.schedule import Action, ActionKind, build_schedule
@@ -74,15 +74,15 @@ class CostContext:
         if key not in self._microbatch_times:
             self._microbatch_times[key] = stage_microbatch_times(
                 self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
-                action_ms=self.action_overhead_ms,
+                action_ms=self.action_overhead_ms(gpu_type),
             )
         return self._microbatch_times[key]
 
-    @property
-    def action_overhead_ms(self) -> float:
-        """The engine's time per action beyond compute (:data:`.compute.EMULATED_ACTION_OVERHEAD_MS`):
-        priced on emulated clusters, where it was measured; 0 on GPUs."""
-        return EMULATED_ACTION_OVERHEAD_MS if self.inventory.emulated else 0.0
+    def action_overhead_ms(self, gpu_type: str) -> float:
+        """The engine's own time per action beyond compute on ``gpu_type``, as start-up measured it on
+        every rank of that type (:attr:`~zorse_lightning.profiling.profile.DeviceTimes.action_overhead_ms`);
+        0 where nothing measured it (reference and estimated profiles)."""
+        return self.profile.times(gpu_type).action_overhead_ms or 0.0
 
     @classmethod
     def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
@@ -208,7 +208,7 @@ def gather_round_ms_of(ctx: CostContext, plan: Plan, index: int) -> float:
     """One microbatch round of stage ``index``'s per-block gathers (every rank makes one per
     microbatch of the stage's busiest rank: :func:`gather_round_ms`)."""
     stage, parameters = plan.stages[index], stage_parameters_of(ctx, plan, index)
-    per = state_bytes_per_parameter(ctx.profile.dtype)
+    per = profile_state_bytes(ctx.profile)
     return gather_round_ms(
         ctx.links, stage.ranks, parameters.layers * per.weights, parameters.layers * per.gradients, parameters.num_layers
     )
@@ -221,7 +221,7 @@ def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
     synced = parameters.edges if stage.gather_per_microbatch else parameters.total
-    per = state_bytes_per_parameter(ctx.profile.dtype)
+    per = profile_state_bytes(ctx.profile)
     return stage_sync_ms(ctx.links, stage.ranks, synced * per.weights, synced * per.gradients, stage.sharding)
 
 
@@ -244,11 +244,13 @@ def stage_memory(
     in sharding only where the plan is interleaved); on an interleaved plan, of all its chunks."""
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
-    held, sharded = stage_state_bytes(parameters, ctx.profile.dtype, stage.sharding, stage.gather_per_microbatch)
+    held, sharded = stage_state_bytes(parameters, profile_state_bytes(ctx.profile), stage.sharding, stage.gather_per_microbatch)
+    stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
         return tuple(
-            RankMemory(held, sharded * fraction, peak, ctx.reserves_bytes[r]) for r, fraction, peak in zip(stage.ranks, fractions, peaks)
+            RankMemory(held, sharded * fraction, peak, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n))
+            for r, fraction, peak, n in zip(stage.ranks, fractions, peaks, stepped)
         )
     first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
@@ -257,11 +259,13 @@ def stage_memory(
     widths, schedule = tuple(len(s.ranks) for s in plan.stages), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
-    for rank, n, fraction in zip(stage.ranks, stage.microbatches_per_rank, fractions):
+    for rank, n, fraction, updated in zip(stage.ranks, stage.microbatches_per_rank, fractions, stepped):
         key = (n, fraction, ctx.reserves_bytes[rank])
         if key not in alike:
             flight = microbatches_in_flight(schedule, widths, index, n)
-            alike[key] = RankMemory(held, sharded * fraction, per_microbatch * flight, key[2])
+            alike[key] = RankMemory(
+                held, sharded * fraction, per_microbatch * flight, key[2], optimizer_step_bytes(ctx.profile, updated)
+            )
         out.append(alike[key])
     return tuple(out)
 
@@ -340,7 +344,7 @@ def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tup
     """
     if not ctx.profile.tied_embedding_head:
         return 0.0
-    gradient_bytes = ctx.profile.head.parameters * state_bytes_per_parameter(ctx.profile.dtype).gradients
+    gradient_bytes = ctx.profile.head.parameters * profile_state_bytes(ctx.profile).gradients
     ranks = tuple(sorted(set(first_ranks) | set(last_ranks)))
     return stage_sync_ms(ctx.links, ranks, gradient_bytes, gradient_bytes, Sharding.NONE)
 

@@ -60,6 +60,35 @@ _STATE_BYTES = {
 }
 
 
+_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def profile_state_bytes(profile: ModelProfile) -> StateBytes:
+    """Training-state bytes per parameter of what the profile measured: weights and gradients in the dtype
+    the weights are held in (float32 under autocast: its gradients are reduced in float32 too), and the
+    state the user's optimizer keeps (AdamW two moments; SGD none); the ZeRO accounting of the profile's
+    dtype where start-up did not say (reference and estimated profiles)."""
+    if profile.weight_dtype is None:
+        return state_bytes_per_parameter(profile.dtype)
+    try:
+        element = _ELEMENT_BYTES[profile.weight_dtype]
+    except KeyError:
+        raise PlanningError(
+            f"profile weight_dtype={profile.weight_dtype!r} is not a dtype the planner knows "
+            f"(known: {', '.join(_ELEMENT_BYTES)}); train the weights in one of those"
+        ) from None
+    optimizer = profile.optimizer.state_bytes_per_parameter if profile.optimizer is not None else 2 * element
+    return StateBytes(weights=element, gradients=element, optimizer=round(optimizer))
+
+
+def optimizer_step_bytes(profile: ModelProfile, parameters_stepped: float) -> float:
+    """Temporaries of one optimizer step over ``parameters_stepped`` (foreach AdamW: about a copy of the
+    parameters it steps), held at the step, when the activations are gone."""
+    if profile.optimizer is None:
+        return 0.0
+    return profile.optimizer.step_bytes_per_parameter * parameters_stepped
+
+
 def state_bytes_per_parameter(dtype: str) -> StateBytes:
     try:
         return _STATE_BYTES[dtype]
@@ -137,22 +166,24 @@ def activation_bytes_per_microbatch(
     With recomputation a layer keeps only its input (the previous block's output)
     and the backward of one layer at a time rebuilds that layer's activations,
     hence the largest layer's activations once on top. Embedding and head are not
-    recomputed.
+    recomputed. Each block's bytes per microbatch (autocast's weight copies) count
+    once per microbatch, whatever its size.
     """
     start, end = layers
-    per_sample = 0.0
-    if first:
-        per_sample += profile.embedding.activation_bytes_per_sample
-    if last:
-        per_sample += profile.head.activation_bytes_per_sample
+    edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
+    per_sample = sum(b.activation_bytes_per_sample for b in edges)
+    fixed = sum(b.activation_bytes_per_microbatch for b in edges)
     chosen = profile.layers[start:end]
     if recompute:
         inputs = [profile.layers[i - 1] if i > 0 else profile.embedding for i in range(start, end)]
         per_sample += sum(b.output_bytes_per_sample for b in inputs)
-        per_sample += max(b.activation_bytes_per_sample for b in chosen)
+        largest = max(chosen, key=lambda b: b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch)
+        per_sample += largest.activation_bytes_per_sample
+        fixed += largest.activation_bytes_per_microbatch
     else:
         per_sample += sum(b.activation_bytes_per_sample for b in chosen)
-    return per_sample * microbatch_size
+        fixed += sum(b.activation_bytes_per_microbatch for b in chosen)
+    return per_sample * microbatch_size + fixed
 
 
 def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
@@ -204,19 +235,23 @@ class RankMemory:
     """This rank's share of the sharded training state."""
     activation_bytes: float
     reserve_bytes: float
+    step_bytes: float = 0.0
+    """The optimizer step's temporaries (:func:`optimizer_step_bytes`): held after the last backward, when
+    the activations are freed, so the peak holds the larger of the two."""
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.sharded_bytes + self.activation_bytes + self.reserve_bytes
+        return self.state_bytes + self.sharded_bytes + max(self.activation_bytes, self.step_bytes) + self.reserve_bytes
 
 
 def stage_state_bytes(
-    parameters: int | StageParameters, dtype: str, sharding: Sharding, gather_per_microbatch: bool = False
+    parameters: int | StageParameters, dtype: str | StateBytes, sharding: Sharding, gather_per_microbatch: bool = False
 ) -> tuple[float, float]:
     """(bytes every rank of the stage holds at its peak, bytes the stage shards across its ranks),
     by sharding level (see the module docstring). Gathering per microbatch needs the stage's
-    :class:`StageParameters` (which of them are layers, and the largest layer)."""
-    per = state_bytes_per_parameter(dtype)
+    :class:`StageParameters` (which of them are layers, and the largest layer). ``dtype``: a training
+    precision's accounting, or the bytes a profile measured (:func:`profile_state_bytes`)."""
+    per = dtype if isinstance(dtype, StateBytes) else state_bytes_per_parameter(dtype)
     total = parameters.total if isinstance(parameters, StageParameters) else parameters
     if sharding is Sharding.NONE:
         return float(total * per.total), 0.0

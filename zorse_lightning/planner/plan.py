@@ -105,6 +105,10 @@ class Prediction:
     """Predicted peak per global rank."""
     profile_source: dict[str, str]
     """GPU type -> where its times came from (measured, reference, estimated...)."""
+    closed_form_ms: float | None = None
+    """The cost model's closed form, which the search ranks candidates by, where ``iteration_ms`` is the
+    simulation of the engine's programs (:func:`~zorse_lightning.planner.simulate.with_simulated_prediction`);
+    None: ``iteration_ms`` is the closed form's."""
 
 
 @dataclass(frozen=True)

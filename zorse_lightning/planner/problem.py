@@ -18,7 +18,7 @@ from zorse_lightning.planner.comm import ring_sync_ms, transfer_ms
 from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, tied_sync_ms
 from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
-from zorse_lightning.planner.memory import one_f_one_b_warmup, stage_state_bytes, state_bytes_per_parameter
+from zorse_lightning.planner.memory import one_f_one_b_warmup, profile_state_bytes, stage_state_bytes
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
 
@@ -89,11 +89,15 @@ class WindowCosts:
         def make():
             profile = self.ctx.profile
             if not recompute:
-                return _window_max([b.activation_bytes_per_sample * microbatch_size for b in profile.layers])
+                return _window_max([
+                    b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in profile.layers
+                ])
             inputs = [profile.embedding, *profile.layers[:-1]]
-            largest = max(b.activation_bytes_per_sample for b in profile.layers)
+            largest = max(
+                b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in profile.layers
+            )
             kept = _window_max([b.output_bytes_per_sample for b in inputs])
-            return tuple((k + largest) * microbatch_size for k in kept)
+            return tuple(k * microbatch_size + largest for k in kept)
 
         return self._memo(("act", microbatch_size, recompute), make)
 
@@ -121,17 +125,19 @@ def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[i
 
 
 def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
-    """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds."""
+    """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds, the
+    engine's own time of the microbatch's two actions (forward and backward) counted in its time."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
-    time = params = act = 0.0
+    time = 2 * ctx.action_overhead_ms(gpu_type)
+    params = act = 0.0
     if first:
         time += device.embedding.forward.at(microbatch_size) + device.embedding.backward.at(microbatch_size)
         params += profile.embedding.parameters
-        act += profile.embedding.activation_bytes_per_sample * microbatch_size
+        act += profile.embedding.activation_bytes_per_sample * microbatch_size + profile.embedding.activation_bytes_per_microbatch
     if last:
         time += device.head.forward.at(microbatch_size) + device.head.backward.at(microbatch_size)
         params += 0 if (profile.tied_embedding_head and first) else profile.head.parameters
-        act += profile.head.activation_bytes_per_sample * microbatch_size
+        act += profile.head.activation_bytes_per_sample * microbatch_size + profile.head.activation_bytes_per_microbatch
     return time, params, act
 
 
@@ -156,7 +162,7 @@ def build_problem(
     profile, m = ctx.profile, candidate.microbatch_size
     num_layers, num_stages = profile.num_layers, len(candidate.layout)
     widths = tuple(len(ranks) for ranks in candidate.layout)
-    per = state_bytes_per_parameter(profile.dtype)
+    per = profile_state_bytes(profile)
     message_bytes = max(b.output_bytes_per_sample for b in profile.layers) * m
     tied_ms = tied_sync_ms(ctx, candidate.layout[0], candidate.layout[-1]) if num_stages > 1 else 0.0
     stages, all_groups = [], []
@@ -173,7 +179,7 @@ def build_problem(
             gpu_type = ctx.inventory.gpus[group[0]].gpu_type.name
             extra_ms, _, extra_act = block_extras(ctx, gpu_type, m, first, last)
             times = windows.time_ms(gpu_type, m, candidate.recompute)
-            held = [stage_state_bytes(p, profile.dtype, sharding)[0] for p in params]
+            held = [stage_state_bytes(p, per, sharding)[0] for p in params]
             costs.append(
                 GroupCosts(
                     count=len(group),
@@ -194,7 +200,7 @@ def build_problem(
                     + max(_update_ms(ctx, group, p * even_share) for group in groups)
                     for p in params
                 ),
-                sharded_bytes=tuple(stage_state_bytes(p, profile.dtype, sharding)[1] for p in params),
+                sharded_bytes=tuple(stage_state_bytes(p, per, sharding)[1] for p in params),
                 max_in_flight=None if candidate.schedule is Schedule.GPIPE else one_f_one_b_warmup(widths, s) + 1,
             )
         )

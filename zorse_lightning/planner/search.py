@@ -58,6 +58,7 @@ from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.interleave_choice import interleaved_if_faster
+from zorse_lightning.planner.simulate import with_simulated_prediction
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -92,7 +93,7 @@ def make_plan(
     windows = WindowCosts(ctx)
     notes = () if options.allow_pipeline else (f"data parallel only: {options.no_pipeline_reason}",)
     layouts = _layouts(ctx, options)
-    sizes = _microbatch_sizes(global_batch_size, options)
+    sizes = _microbatch_sizes(global_batch_size, options, profile)
     schedules = [options.schedule] if options.schedule is not None else [Schedule.ONE_F_ONE_B]
     speeds = speed_by_type(ctx)
     bounded = sorted(
@@ -145,6 +146,7 @@ def make_plan(
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
     best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave)
     notes = (*notes, *(note for note in (idle_note, interleave_note) if note))
+    best = with_simulated_prediction(ctx, best)
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 
@@ -276,8 +278,19 @@ def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
     return layouts
 
 
-def _microbatch_sizes(global_batch_size: int, options: PlannerOptions) -> list[int]:
+def _microbatch_sizes(global_batch_size: int, options: PlannerOptions, profile: ModelProfile) -> list[int]:
+    """The candidate sizes that divide the global batch and, on a measured profile, were measured: a size
+    beyond the measured ones would be priced on a line through two points, which the planner never does."""
     sizes = [options.microbatch_size] if options.microbatch_size is not None else list(options.microbatch_sizes)
+    measured = profile.measured_sizes
+    if measured is not None:
+        unmeasured = [m for m in sizes if m not in measured]
+        sizes = [m for m in sizes if m in measured]
+        if not sizes:
+            raise PlanningError(
+                f"microbatch sizes {unmeasured} were not measured (the profile holds sizes {list(measured)}); the "
+                f"planner prices measured sizes only: give one of {list(measured)}, or profile the larger sizes"
+            )
     usable = [m for m in sizes if global_batch_size % m == 0]
     if not usable:
         raise PlanningError(

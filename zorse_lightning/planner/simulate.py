@@ -40,13 +40,13 @@ within a few per cent of the closed form's ``(M + (S - 1) / V) t`` (tested).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from zorse_lightning.planner.comm import transfer_ms
 from zorse_lightning.planner.compute import MicrobatchTimes
 from zorse_lightning.planner.boundaries import boundary_message_bytes
-from zorse_lightning.planner.evaluate import CostContext, PlanCost, plan_cost, schedule_programs
+from zorse_lightning.planner.evaluate import CostContext, PlanCost, plan_cost, prediction, schedule_programs
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.schedule import Action, ActionKind, Message, messages_of
 
@@ -95,6 +95,19 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     play.run()
     events = play.events + _tail_events(plan, cost, play.free_at)
     return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
+
+
+def with_simulated_prediction(ctx: CostContext, plan: Plan) -> Plan:
+    """``plan`` predicted at the end of the simulation of the engine's own programs (what its timeline
+    draws), not at the closed form's figure: one prediction, that of what runs. The closed form ranks
+    candidates in the search (it needs no programs); the plan a user gets says what its programs take."""
+    timeline = simulate(ctx, plan)
+    ms = timeline.makespan_ms
+    predicted = plan.predicted or prediction(ctx, plan, plan_cost(ctx, plan))
+    return replace(plan, predicted=replace(
+        predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0,
+        closed_form_ms=timeline.predicted_iteration_ms,
+    ))
 
 
 def _tail_events(plan: Plan, cost: PlanCost, free_at: list[float]) -> list[TimelineEvent]:

@@ -27,8 +27,8 @@ import hashlib
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,13 @@ from typing import TYPE_CHECKING, Any
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling.measure_cache import DEFAULT_CACHE_DIR, cache_path, from_json, to_json
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
+from zorse_lightning.profiling.timing import PhaseMarks, TimingOptions, time_phases
+
+MAX_WARMUP = 8
+"""Warm-up runs at most while the time has not settled (:class:`~.timing.TimingOptions`)."""
+
+ForwardContext = Callable[[], AbstractContextManager]
+"""The precision plugin's ``forward_context``: what every timed forward runs inside, as in training."""
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +57,12 @@ class MeasureOptions:
     """Untimed runs per block and size (allocator, cuDNN autotuning, lazy init)."""
     repeats: int = 5
     """Timed runs per block and size; the median is kept."""
+
+    @property
+    def timing(self) -> TimingOptions:
+        """The harness's options: at least ``warmup`` untimed runs, more until the time settles."""
+        return TimingOptions(min_warmup=self.warmup, max_warmup=max(self.warmup, MAX_WARMUP) if self.warmup else 0,
+                             repeats=self.repeats)
 
     def __post_init__(self) -> None:
         if self.max_microbatch_size < 1 or self.warmup < 0 or self.repeats < 1:
@@ -85,13 +98,6 @@ def model_signature(blocks: Sequence[Any], before: Any = None, after: Any = None
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a host clock reads the device's time."""
-    import torch
-
-    getattr(torch, device.type).synchronize()
-
-
 def _first_tensor(output: Any, name: str, module: Any) -> torch.Tensor:
     import torch
 
@@ -116,31 +122,36 @@ def _call(module: Any, call: Call, x: torch.Tensor) -> Any:
     return module(x, *args[1:], **kwargs)
 
 
-def _time_one(module: Any, call: Call, name: str, options: MeasureOptions, device: torch.device):
-    """Median forward and backward ms of ``module`` on ``call``, and its (detached) output."""
+def _time_one(
+    module: Any, call: Call, name: str, options: MeasureOptions, device: torch.device, forward_context: ForwardContext
+):
+    """Median forward and backward ms of ``module`` on ``call`` (the forward inside ``forward_context``, as
+    training runs it), and its (detached) output."""
     import torch
 
     x = call[0][0]
-    forward_ms, backward_ms = [], []
-    for run in range(options.warmup + options.repeats):
+    last: list[torch.Tensor] = []
+    backward_ran = [False]
+
+    def run(marks: PhaseMarks) -> None:
         inp = x.detach().requires_grad_(x.is_floating_point())
-        synchronize(device)
-        start = time.perf_counter()
-        out = _first_tensor(_call(module, call, inp), name, module)
-        synchronize(device)
-        middle = time.perf_counter()
+        with forward_context():
+            out = _first_tensor(_call(module, call, inp), name, module)
+        marks.mark()
+        backward_ran[0] = out.requires_grad
         if out.requires_grad:
             out.backward(torch.ones_like(out))
-        synchronize(device)
-        end = time.perf_counter()
-        if run >= options.warmup:
-            forward_ms.append((middle - start) * 1e3)
-            backward_ms.append((end - middle) * 1e3 if out.requires_grad else 0.0)
-    return statistics.median(forward_ms), statistics.median(backward_ms), out.detach()
+        last[:] = [out.detach()]
+
+    forward_ms, backward_ms = time_phases(run, device, 2, options.timing)
+    return forward_ms, backward_ms if backward_ran[0] else 0.0, last[0]
 
 
-def _saved_bytes(module: Any, call: Call) -> int:
-    """Bytes of the distinct non-parameter storages autograd keeps for the backward of ``module`` on ``call``."""
+def _saved_bytes(module: Any, call: Call, forward_context: ForwardContext) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for the backward of ``module`` on ``call``,
+    its forward inside ``forward_context``: under autocast these include the low-precision copies of the
+    weights a matrix product keeps for its backward (one set per microbatch: the intercept of
+    :attr:`~.profile.BlockShape.activation_bytes_per_microbatch`), and activations in the autocast dtype."""
     import torch
 
     parameter_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -154,29 +165,30 @@ def _saved_bytes(module: Any, call: Call) -> int:
 
     x = call[0][0]
     inp = x.detach().requires_grad_(x.is_floating_point())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
         _call(module, call, inp)
     return sum(seen.values())
 
 
-def _flops(module: Any, call: Call) -> float:
+def _flops(module: Any, call: Call, forward_context: ForwardContext) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     import torch
 
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    with counter, torch.no_grad(), forward_context():
         _call(module, call, call[0][0])
     return float(counter.get_total_flops())
 
 
 def _fit(sizes: Sequence[int], times_ms: Sequence[float]) -> TimeCurve:
-    """Least-squares line through (size, time); a line through the origin from one point."""
+    """Least-squares line through (size, time), kept beside the measured points (which :meth:`TimeCurve.at`
+    prefers); a line through the origin from one point."""
     if len(sizes) == 1:
-        return TimeCurve(times_ms[0] / sizes[0], 0.0, tuple(times_ms))
+        return TimeCurve(times_ms[0] / sizes[0], 0.0, tuple(times_ms), tuple(sizes))
     mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(times_ms)
     slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, times_ms)) / sum((b - mean_b) ** 2 for b in sizes)
-    return TimeCurve(slope, mean_t - slope * mean_b, tuple(times_ms))
+    return TimeCurve(slope, mean_t - slope * mean_b, tuple(times_ms), tuple(sizes))
 
 
 _ZERO_TIMES = BlockTimes(TimeCurve(0.0, 0.0), TimeCurve(0.0, 0.0))
@@ -205,6 +217,7 @@ def measure_blocks(
     after: Any = None,
     options: MeasureOptions = MeasureOptions(),
     cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
+    forward_context: ForwardContext = nullcontext,
 ) -> MeasuredBlocks:
     """Time and size each block of ``blocks`` (modules already on ``device`` in ``dtype``).
 
@@ -213,7 +226,8 @@ def measure_blocks(
     ``dtype``. ``gpu_type`` names the times (default: the catalog name of the CUDA
     device, else the device type, e.g. ``"cpu"``; emulated ranks pass the type
     they emulate). ``seq_len`` defaults to the input's second dimension.
-    ``cache_dir=None`` disables the cache.
+    ``cache_dir=None`` disables the cache. Every forward runs inside ``forward_context`` (the
+    precision plugin's: autocast), with ``dtype`` then the dtype it computes in.
     """
     import torch
 
@@ -242,7 +256,7 @@ def measure_blocks(
     chain += [(f"layer{i}", b) for i, b in enumerate(blocks)]
     chain += [("head", after)] if after is not None else []
     sizes = tuple(range(1, options.max_microbatch_size + 1))
-    measured = _measure_chain(chain, lambda b: ((torch.cat([x] * b),), {}), sizes, options, device)
+    measured = _measure_chain(chain, lambda b: ((torch.cat([x] * b),), {}), sizes, options, device, forward_context)
     times = [
         BlockTimes(_fit(measured.sizes, f), _fit(measured.sizes, b))
         for f, b in zip(measured.forward_ms, measured.backward_ms)
@@ -276,70 +290,117 @@ def measure_blocks(
 @dataclass(frozen=True)
 class _ChainMeasurement:
     sizes: tuple[int, ...]
+    """The sizes measured: the asked ones up to the first that did not fit."""
     forward_ms: list[list[float]]
     """Per module, per size."""
     backward_ms: list[list[float]]
-    block_sizes: list[tuple[int, int, int, float]]
-    """Per module: parameters, activation and output bytes per sample, forward FLOPs per sample."""
+    block_sizes: list[tuple[int, int, int, float, int]]
+    """Per module: parameters, activation bytes per sample, output bytes per sample, forward FLOPs per sample,
+    activation bytes per microbatch whatever its size (the intercept)."""
+
+
+def out_of_memory_errors() -> tuple[type[BaseException], ...]:
+    """What a device raises when a size does not fit: CUDA's out-of-memory, or an emulated rank's budget."""
+    import torch
+
+    from zorse_lightning.emulation.memory import EmulatedOutOfMemoryError
+
+    return (torch.OutOfMemoryError, EmulatedOutOfMemoryError)
 
 
 def _measure_chain(
     chain: list[tuple[str, Any]], first_call: Callable[[int], Call], sizes: tuple[int, ...], options: MeasureOptions,
-    device: torch.device,
+    device: torch.device, forward_context: ForwardContext = nullcontext,
 ) -> _ChainMeasurement:
-    """The chain timed and sized at each microbatch size; ``first_call(b)`` is the first module's call at size
-    ``b``, each later module receives the output of the one before."""
+    """The chain timed and sized at each microbatch size, smallest first, up to the first size that does
+    not fit on the device; ``first_call(b)`` is the first module's call at size ``b``, each later module
+    receives the output of the one before."""
+    import torch
+
     forward_ms: list[list[float]] = [[] for _ in chain]
     backward_ms: list[list[float]] = [[] for _ in chain]
     saved: list[dict[int, int]] = [{} for _ in chain]
     outputs: list[int] = [0] * len(chain)
     flops: list[float] = [0.0] * len(chain)
     grads = [(p, p.grad) for _, m in chain for p in m.parameters()]
+    measured: list[int] = []
     try:
-        for b in sizes:
-            call = first_call(b)
-            for i, (name, module) in enumerate(chain):
-                if b in (1, sizes[-1]):
-                    saved[i][b] = _saved_bytes(module, call)
-                if b == 1:
-                    flops[i] = _flops(module, call)
-                fwd, bwd, x = _time_one(module, call, name, options, device)
+        for b in sorted(sizes):
+            try:
+                call = first_call(b)
+                row = []
+                for i, (name, module) in enumerate(chain):
+                    saved_bytes = _saved_bytes(module, call, forward_context)
+                    if not measured:
+                        flops[i] = _flops(module, call, forward_context) / b
+                    fwd, bwd, x = _time_one(module, call, name, options, device, forward_context)
+                    row.append((saved_bytes, fwd, bwd))
+                    if not measured:
+                        outputs[i] = x.numel() * x.element_size() // b
+                    call = ((x,), {})
+            except out_of_memory_errors() as error:
+                if not measured:
+                    raise PlanningError(
+                        f"a microbatch of {b} sample(s) does not fit on {device} while profiling "
+                        f"({type(error).__name__}: {error}); the smallest microbatch must fit: give the run GPUs "
+                        f"with more memory or a shorter sequence"
+                    ) from error
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                break
+            measured.append(b)
+            for i, (saved_bytes, fwd, bwd) in enumerate(row):
+                saved[i][b] = saved_bytes
                 forward_ms[i].append(fwd)
                 backward_ms[i].append(bwd)
-                if b == 1:
-                    outputs[i] = x.numel() * x.element_size()
-                call = ((x,), {})
     finally:
         for p, g in grads:
             p.grad = g
-    n = sizes[-1]
-    per_sample = [max(0, round((s[n] - s[1]) / (n - 1))) if n > 1 else s[1] for s in saved]
-    block_sizes = [
-        (sum(p.numel() for p in m.parameters()), per_sample[i], outputs[i], flops[i]) for i, (_, m) in enumerate(chain)
-    ]
-    return _ChainMeasurement(sizes, forward_ms, backward_ms, block_sizes)
+    block_sizes = []
+    for i, (_, m) in enumerate(chain):
+        per_sample, per_microbatch = _activation_line(saved[i], measured)
+        block_sizes.append((sum(p.numel() for p in m.parameters()), per_sample, outputs[i], flops[i], per_microbatch))
+    return _ChainMeasurement(tuple(measured), forward_ms, backward_ms, block_sizes)
+
+
+def _activation_line(saved: dict[int, int], sizes: list[int]) -> tuple[int, int]:
+    """(bytes per sample, bytes per microbatch) through the smallest and largest size's saved bytes.
+
+    The intercept is kept: it holds what a microbatch saves whatever its size
+    (autocast's low-precision weight copies, above all); one size measured gives
+    it all to the samples.
+    """
+    low, high = sizes[0], sizes[-1]
+    if high == low:
+        return max(0, round(saved[low] / low)), 0
+    per_sample = max(0, round((saved[high] - saved[low]) / (high - low)))
+    return per_sample, max(0, saved[low] - per_sample * low)
 
 
 def measure_block_calls(
-    block: Any, calls: Sequence[Call], *, device: torch.device, gpu_type: str, options: MeasureOptions = MeasureOptions()
+    block: Any, calls: Mapping[int, Call], *, device: torch.device, gpu_type: str,
+    options: MeasureOptions = MeasureOptions(), forward_context: ForwardContext = nullcontext, dtype: str | None = None,
 ) -> MeasuredBlocks:
-    """Time and size one block on calls captured from the user's step: ``calls[b - 1]`` at microbatch size ``b``
-    (the activation and the keyword arguments a real forward gives it: masks, rotary embeddings, a cache).
+    """Time and size one block on calls captured from the user's step: ``calls[b]`` at microbatch size ``b``
+    (the activation and the keyword arguments a real forward gives it: masks, rotary embeddings, a cache),
+    each forward inside ``forward_context`` (the precision plugin's, as training runs it).
 
     Start-up profiles this way: one block stands for all blocks of its list,
-    measured on exactly what it receives, never on guessed inputs.
+    measured on exactly what it receives, never on guessed inputs. ``dtype``
+    records the precision the step computes in (default: the activation's).
+    The sizes measured are the times' ``measured_sizes``: those of ``calls``
+    up to the first that did not fit.
     """
-    x = calls[0][0][0]
-    dtype = str(x.dtype).removeprefix("torch.")
+    x = calls[min(calls)][0][0]
     measured = _measure_chain(
-        [("layer0", block)], lambda b: calls[b - 1], tuple(range(1, len(calls) + 1)), options, device
+        [("layer0", block)], lambda b: calls[b], tuple(calls), options, device, forward_context
     )
     times = BlockTimes(_fit(measured.sizes, measured.forward_ms[0]), _fit(measured.sizes, measured.backward_ms[0]))
     zero_shape = BlockShape("none", 0, 0, 0, 0.0)
     return MeasuredBlocks(
         signature=model_signature([block]),
         seq_len=x.shape[1] if x.ndim >= 2 else 1,
-        dtype=dtype,
+        dtype=dtype or str(x.dtype).removeprefix("torch."),
         times=DeviceTimes(gpu_type, ProfileSource.MEASURED, _ZERO_TIMES, (times,), _ZERO_TIMES),
         embedding=zero_shape,
         layers=(BlockShape("layer0", *measured.block_sizes[0]),),

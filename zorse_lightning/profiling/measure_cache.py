@@ -27,7 +27,7 @@ def cache_path(
 
 
 def curve_from(d: dict[str, Any]) -> TimeCurve:
-    return TimeCurve(d["slope_ms"], d["intercept_ms"], tuple(d["measured_ms"]))
+    return TimeCurve(d["slope_ms"], d["intercept_ms"], tuple(d["measured_ms"]), tuple(d.get("measured_sizes", ())))
 
 
 def to_json(m: MeasuredBlocks) -> dict[str, Any]:
@@ -40,6 +40,7 @@ def to_json(m: MeasuredBlocks) -> dict[str, Any]:
         "seq_len": m.seq_len,
         "dtype": m.dtype,
         "optimizer_ms_per_million_parameters": m.times.optimizer_ms_per_million_parameters,
+        "action_overhead_ms": m.times.action_overhead_ms,
         "blocks": [
             {"shape": asdict(s), "forward": asdict(t.forward), "backward": asdict(t.backward)}
             for s, t in zip(blocks, times)
@@ -53,6 +54,7 @@ def from_json(d: dict[str, Any]) -> MeasuredBlocks:
     device_times = DeviceTimes(
         d["gpu_type"], ProfileSource.MEASURED, times[0], tuple(times[1:-1]), times[-1],
         d.get("optimizer_ms_per_million_parameters"),  # absent from files written before it existed
+        d.get("action_overhead_ms"),
     )
     from zorse_lightning.profiling.measure import MeasuredBlocks
 

@@ -35,15 +35,33 @@ class TimeCurve:
     """Milliseconds per extra sample."""
     intercept_ms: float
     measured_ms: tuple[float, ...] = ()
-    """Measured times at microbatch sizes 1, 2, ...; preferred over the line where present."""
+    """Measured times at :attr:`sizes`; preferred over the line where present."""
+    measured_sizes: tuple[int, ...] = ()
+    """The microbatch sizes of ``measured_ms``, increasing; empty: 1, 2, ... (reference data)."""
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The microbatch sizes measured."""
+        return self.measured_sizes or tuple(range(1, len(self.measured_ms) + 1))
 
     def at(self, microbatch_size: int) -> float:
-        if 1 <= microbatch_size <= len(self.measured_ms):
-            return max(self.measured_ms[microbatch_size - 1], MIN_BLOCK_TIME_MS)
+        """The measured time at a measured size; between two measured sizes, on the segment joining them
+        (start-up measures every size it lets the planner use, so this prices sizes a caller asks for
+        directly); elsewhere the fitted line."""
+        sizes = self.sizes
+        if sizes and sizes[0] <= microbatch_size <= sizes[-1]:
+            upper = next(i for i, b in enumerate(sizes) if b >= microbatch_size)
+            if sizes[upper] == microbatch_size:
+                return max(self.measured_ms[upper], MIN_BLOCK_TIME_MS)
+            (b0, t0), (b1, t1) = (sizes[upper - 1], self.measured_ms[upper - 1]), (sizes[upper], self.measured_ms[upper])
+            return max(t0 + (t1 - t0) * (microbatch_size - b0) / (b1 - b0), MIN_BLOCK_TIME_MS)
         return max(self.slope_ms * microbatch_size + self.intercept_ms, MIN_BLOCK_TIME_MS)
 
     def scaled(self, factor: float) -> TimeCurve:
-        return TimeCurve(self.slope_ms * factor, self.intercept_ms * factor, tuple(t * factor for t in self.measured_ms))
+        return TimeCurve(
+            self.slope_ms * factor, self.intercept_ms * factor, tuple(t * factor for t in self.measured_ms),
+            self.measured_sizes,
+        )
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,9 @@ class BlockShape:
     output_bytes_per_sample: int
     """Bytes of the block's output per sample: what crosses a pipeline cut after it."""
     forward_flops_per_sample: float
+    activation_bytes_per_microbatch: int = 0
+    """Bytes saved for backward per microbatch whatever its size (the intercept of the measured line):
+    under autocast, the low-precision copies of the weights that the block's matrix products keep."""
 
 
 @dataclass(frozen=True)
@@ -81,14 +102,41 @@ class DeviceTimes:
     """Optimizer step time per million parameters it updates, measured on the device;
     None: the planner estimates it from the GPU type's memory bandwidth
     (:func:`zorse_lightning.planner.update.optimizer_step_ms`)."""
+    action_overhead_ms: float | None = None
+    """The engine's own time per action (one microbatch's forward or backward on a stage) beyond the
+    blocks' compute, measured at start-up on this type's device; None: not measured (reference and
+    estimated profiles), priced as nothing."""
 
     def __post_init__(self) -> None:
-        rate = self.optimizer_ms_per_million_parameters
-        if rate is not None and not 0 <= rate < float("inf"):
-            raise PlanningError(
-                f"times of GPU type {self.gpu_type!r}: optimizer_ms_per_million_parameters={rate!r} must be a "
-                f"finite number >= 0 (a measured step time per million parameters), or None to estimate it"
-            )
+        for name in ("optimizer_ms_per_million_parameters", "action_overhead_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise PlanningError(
+                    f"times of GPU type {self.gpu_type!r}: {name}={value!r} must be a finite number >= 0 "
+                    f"(a measured time), or None to leave it to the planner's estimate"
+                )
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """The user's optimizer as it ran at start-up on a sample of the model's parameter shapes."""
+
+    name: str
+    """Its class, qualified (``torch.optim.adamw.AdamW``): a plan says which optimizer it priced."""
+    state_bytes_per_parameter: float
+    """State it keeps per parameter after a step (AdamW: two moments; plain SGD: none)."""
+    step_bytes_per_parameter: float
+    """Temporary bytes per parameter at its step, above the state (foreach AdamW: about one copy of the
+    parameters per tensor group); measured on CUDA, estimated from the kind of step elsewhere."""
+
+    def __post_init__(self) -> None:
+        for name in ("state_bytes_per_parameter", "step_bytes_per_parameter"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise PlanningError(
+                    f"optimizer profile of {self.name}: {name}={value!r} must be a finite number >= 0 (bytes measured "
+                    f"per parameter)"
+                )
 
 
 @dataclass(frozen=True)
@@ -104,6 +152,11 @@ class ModelProfile:
     devices: dict[str, DeviceTimes]
     """By catalog GPU type name."""
     tied_embedding_head: bool = False
+    weight_dtype: str | None = None
+    """The dtype the weights and gradients are held in while training (float32 under autocast, whatever
+    ``dtype``); None: the mixed-precision accounting of :mod:`zorse_lightning.planner.memory` for ``dtype``."""
+    optimizer: OptimizerProfile | None = None
+    """The user's optimizer as measured; None: Adam's state and no step temporaries assumed."""
 
     @property
     def num_layers(self) -> int:
@@ -123,6 +176,15 @@ class ModelProfile:
                 f"profile of {self.model!r} has no times for GPU type {gpu_type!r} "
                 f"(has: {', '.join(sorted(self.devices))})"
             ) from None
+
+    @property
+    def measured_sizes(self) -> tuple[int, ...] | None:
+        """The microbatch sizes every measured GPU type timed its blocks at (None: no type was measured);
+        the planner prices no other size on a measured profile."""
+        sizes = [
+            set(layer.forward.sizes) for d in self.devices.values() if d.source is ProfileSource.MEASURED for layer in d.layers
+        ]
+        return tuple(sorted(set.intersection(*sizes))) if sizes else None
 
     @property
     def sources(self) -> dict[str, ProfileSource]:

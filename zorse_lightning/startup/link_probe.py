@@ -20,8 +20,6 @@ ceiling the user stated.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,14 +27,15 @@ import torch.distributed as dist
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.comm import LINK_EFFICIENCY, ring_all_reduce_ms
-from zorse_lightning.profiling.measure import synchronize
+from zorse_lightning.profiling.timing import TimingOptions, time_ms
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 """Largest probe: larger gradients are all-reduced in pieces about this size anyway, at the same rate."""
 MIN_PROBE_BYTES = 1024 * 1024
 """Smallest probe: below this, latency rather than rate would be measured."""
-PROBE_REPEATS = 3
-"""Timed all-reduces after one warm-up; the median is kept."""
+PROBE_TIMING = TimingOptions(min_warmup=1, max_warmup=1, repeats=3)
+"""One warm-up, three timed all-reduces, the median kept: a fixed count, since every rank of a group must
+make the same collectives (a warm-up until the time settles could end at another count on each)."""
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,7 @@ def probe_machines(
     median_ms = 0.0
     if mine in groups:
         tensor = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-        times = []
-        for _ in range(1 + PROBE_REPEATS):
-            synchronize(device)
-            start = time.perf_counter()
-            dist.all_reduce(tensor, group=groups[mine])
-            synchronize(device)
-            times.append((time.perf_counter() - start) * 1000.0)
-        median_ms = statistics.median(times[1:])
+        median_ms = time_ms(lambda: dist.all_reduce(tensor, group=groups[mine]), device, PROBE_TIMING)
         dist.destroy_process_group(groups[mine])
     gathered = [0.0] * dist.get_world_size()
     dist.all_gather_object(gathered, median_ms)

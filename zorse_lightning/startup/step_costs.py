@@ -2,111 +2,286 @@
 
 The start-up profile times the blocks alone. A step also runs what comes before
 the first block (embeddings), what comes after the last one (final norm, head,
-loss, the step's own Python) and the optimizer step; left out, they made every
-prediction short (bench/fidelity.py: 15 % on cpu_sim4). Both are measured here
-on the device (an emulated rank through its emulation), so the planner prices
-them as this GPU type runs them.
+loss, the step's own Python), the optimizer step and the engine's own work per
+action; left out, they made every prediction short (bench/fidelity.py: 15 % on
+cpu_sim4). All are measured here on the device (an emulated rank through its
+emulation), in the precision that trains (the step given runs inside the
+precision plugin's forward context), with the one harness of
+:mod:`zorse_lightning.profiling.timing`, so the planner prices them as this GPU
+type runs them.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zorse_lightning.module.blocks import BlockList
-from zorse_lightning.module.microbatch import microbatch_slice, samples_in
-from zorse_lightning.profiling.measure import synchronize
-from zorse_lightning.profiling.profile import BlockTimes, TimeCurve
+from zorse_lightning.module.microbatch import microbatch_slice
+from zorse_lightning.profiling.measure import out_of_memory_errors
+from zorse_lightning.profiling.profile import BlockTimes, OptimizerProfile, TimeCurve
+from zorse_lightning.profiling.timing import PhaseMarks, TimingOptions, synchronize, time_phases
 
-BACKWARD_OVER_FORWARD = 2.0
-"""Backward time of the edges as a multiple of their forward: the usual ratio for
-matrix products (a gradient for the input and one for the weight). The edges are
-timed forward only, without gradients, so that start-up never holds the whole
-model's gradients on one device."""
-
-OPTIMIZER_PROBE_PARAMETERS = 1 << 20
-"""Parameters of the tensor the optimizer probe steps on (4 MiB in float32, plus its state)."""
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+"""Builds the user's optimizer (its class and settings) on the parameters given."""
 
 
 @dataclass(frozen=True)
 class StepEdges:
-    """Times of the parts of a step outside the block list, per microbatch size 1, 2, ..."""
+    """Times of the parts of a step outside the block list at the sizes measured, and what they save for
+    backward."""
 
     embedding: BlockTimes
     head: BlockTimes
+    sizes: tuple[int, ...]
+    """The microbatch sizes measured: those asked, up to the first that did not fit with gradients."""
+    embedding_activation_bytes: tuple[int, int]
+    """(per sample, per microbatch) saved for backward before the first block."""
+    head_activation_bytes: tuple[int, int]
+    """(per sample, per microbatch) saved for backward after the last block (head, loss)."""
 
 
-def _curve(forward_ms: list[float]) -> tuple[TimeCurve, TimeCurve]:
-    slope = forward_ms[-1] - forward_ms[-2] if len(forward_ms) > 1 else forward_ms[0]
-    forward = TimeCurve(slope, forward_ms[0] - slope, tuple(forward_ms))
-    return forward, forward.scaled(BACKWARD_OVER_FORWARD)
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss a Lightning ``training_step`` returned: the tensor, or a mapping's ``"loss"``."""
+    if isinstance(output, Mapping):
+        output = output["loss"]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"training_step returned {type(output).__name__}; start-up times its backward and needs the loss: "
+            f"return a tensor, or a dict with a 'loss' tensor"
+        )
+    return output
+
+
+def _curve(sizes: Sequence[int], times_ms: Sequence[float]) -> TimeCurve:
+    """The measured points, and the line through the two largest (what lies beyond is never priced from it:
+    start-up lets the planner use measured sizes only)."""
+    if len(sizes) == 1:
+        return TimeCurve(times_ms[0] / sizes[0], 0.0, tuple(times_ms), tuple(sizes))
+    slope = (times_ms[-1] - times_ms[-2]) / (sizes[-1] - sizes[-2])
+    return TimeCurve(slope, times_ms[-1] - slope * sizes[-1], tuple(times_ms), tuple(sizes))
+
+
+class _Phase:
+    """Marks the step's phases from hooks on the first and last block, and counts the bytes autograd saves
+    in each part of the forward (before the blocks, in them, after them)."""
+
+    def __init__(self, blocks: BlockList) -> None:
+        self.marks: PhaseMarks | None = None
+        self.part = 0
+        self.saved = [0, 0, 0]
+        self.backward_marks = 0
+        first, last = blocks.blocks[0], blocks.blocks[-1]
+        self.handles = [
+            first.register_forward_pre_hook(self._entering), last.register_forward_hook(self._leaving),
+        ]
+
+    def _mark_backward(self, _grad: torch.Tensor) -> None:
+        if self.backward_marks < 2 and self.marks is not None:
+            self.marks.mark()
+            self.backward_marks += 1
+
+    def _entering(self, _module: Any, args: tuple) -> None:
+        if self.part == 0:
+            self.marks.mark()
+            self.part = 1
+            x = args[0] if args else None
+            self.first_input = x if isinstance(x, torch.Tensor) and x.requires_grad else None
+
+    def _leaving(self, _module: Any, _args: tuple, output: Any) -> None:
+        self.marks.mark()
+        self.part = 2
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._mark_backward)
+        if self.first_input is not None:
+            self.first_input.register_hook(self._mark_backward)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved[self.part] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def measure_step_edges(
-    step: Callable[[Any], Any], blocks: BlockList, batch: Any, device: torch.device,
-    max_microbatch_size: int = 2, warmup: int = 1, repeats: int = 3,
+    step: Callable[[Any], Any], blocks: BlockList, batch: Any, device: torch.device, sizes: Sequence[int],
+    timing: TimingOptions = TimingOptions(),
 ) -> StepEdges:
-    """Forward time before the first block and after the last, around ``step(microbatch)`` without gradients.
+    """Forward and backward time before the first block and after the last, around ``step(microbatch)``
+    and the backward of its loss, at each of ``sizes`` (smallest first, up to the first that does not fit).
 
-    ``step`` runs the user's training step; timestamps are taken when the first
-    block receives its input and when the last block returns, so the edges are
-    what the rest of the step spends, whatever the module computes there.
+    Phases are marked when the first block receives its input, when the last
+    block returns, when the forward ends, when the gradient reaches the last
+    block's output and when it reaches the first block's input: the edges are
+    what the rest of the step spends, whatever the module computes there. The
+    edges' and the blocks' gradients are put back after.
     """
-    marks: dict[str, float] = {}
+    phase = _Phase(blocks)
+    module_parameters = {id(p): p for b in blocks.blocks for p in b.parameters()}
+    before: list[list[float]] = []
+    after: list[list[float]] = []
+    saved: list[tuple[int, int]] = []
+    measured: list[int] = []
+    kept_grads: dict[int, tuple[torch.nn.Parameter, Any]] = {}
 
-    def mark(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            synchronize(device)
-            marks[name] = time.perf_counter()
-        return hook
+    def run(marks: PhaseMarks) -> None:
+        phase.marks, phase.part, phase.backward_marks, phase.first_input = marks, 0, 0, None
+        loss = loss_of(step(micro))
+        marks.mark()
+        if loss.requires_grad:
+            for p in _leaf_parameters(loss, module_parameters):
+                kept_grads.setdefault(id(p), (p, p.grad))
+            loss.backward()
+        while phase.backward_marks < 2:  # no gradient reached a block (nothing trainable before it)
+            phase._mark_backward(loss)
 
-    handles = [blocks.blocks[0].register_forward_pre_hook(mark("first")),
-               blocks.blocks[-1].register_forward_hook(mark("last"))]
-    before_ms: list[float] = []
-    after_ms: list[float] = []
-    samples = samples_in(batch)
     try:
-        for size in range(1, min(max_microbatch_size, samples) + 1):
+        for size in sorted(sizes):
             micro = microbatch_slice(batch, 0, size)
-            runs = []
-            for run in range(warmup + repeats):
-                synchronize(device)
-                start = time.perf_counter()
-                with torch.no_grad():
-                    step(micro)
-                synchronize(device)
-                end = time.perf_counter()
-                if run >= warmup:
-                    runs.append(((marks["first"] - start) * 1e3, (end - marks["last"]) * 1e3))
-            before_ms.append(statistics.median(r[0] for r in runs))
-            after_ms.append(statistics.median(r[1] for r in runs))
+            try:
+                phase.saved, phase.part, phase.marks, phase.first_input = [0, 0, 0], 0, PhaseMarks(device), None
+                with torch.autograd.graph.saved_tensors_hooks(phase.pack, lambda t: t):
+                    loss_of(step(micro))
+                saved.append((phase.saved[0], phase.saved[2]))
+                ms = time_phases(run, device, 6, timing)
+            except out_of_memory_errors():
+                if not measured:
+                    raise
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                break
+            measured.append(size)
+            before.append([ms[0], ms[5]])
+            after.append([ms[2], ms[3]])
     finally:
-        for handle in handles:
-            handle.remove()
-    return StepEdges(BlockTimes(*_curve(before_ms)), BlockTimes(*_curve(after_ms)))
+        phase.remove()
+        for p, grad in kept_grads.values():
+            p.grad = grad
+    return StepEdges(
+        BlockTimes(_curve(measured, [f for f, _ in before]), _curve(measured, [b for _, b in before])),
+        BlockTimes(_curve(measured, [f for f, _ in after]), _curve(measured, [b for _, b in after])),
+        tuple(measured),
+        _line(measured, [s[0] for s in saved]),
+        _line(measured, [s[1] for s in saved]),
+    )
 
 
-def measure_optimizer_ms_per_million_parameters(device: torch.device, warmup: int = 1, repeats: int = 3) -> float:
-    """Milliseconds of one AdamW step per million float32 parameters on ``device``.
+def _line(sizes: Sequence[int], saved: Sequence[int]) -> tuple[int, int]:
+    """(bytes per sample, bytes per microbatch) through the smallest and the largest size."""
+    if len(sizes) == 1:
+        return max(0, round(saved[0] / sizes[0])), 0
+    per_sample = max(0, round((saved[-1] - saved[0]) / (sizes[-1] - sizes[0])))
+    return per_sample, max(0, saved[0] - per_sample * sizes[0])
 
-    Adam-type optimizers are what large models train with; their step streams
-    the weights, gradients and two moments through memory, so its time grows
-    with the parameters a rank updates (its stage's, or its shard of them).
+
+def _leaf_parameters(loss: torch.Tensor, blocks: Mapping[int, torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Every parameter the backward of ``loss`` will accumulate into (walked from its graph)."""
+    found: dict[int, torch.nn.Parameter] = {}
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.nn.Parameter):
+            found[id(variable)] = variable
+        stack.extend(n for n, _ in node.next_functions)
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class OptimizerMeasurement:
+    ms_per_million_parameters: float
+    profile: OptimizerProfile
+
+
+def measure_optimizer(
+    factory: OptimizerFactory, shapes: Sequence[torch.nn.Parameter], device: torch.device,
+    timing: TimingOptions = TimingOptions(),
+) -> OptimizerMeasurement:
+    """The user's optimizer (``factory``: its class and settings) stepped on fresh tensors of ``shapes``'
+    shapes and dtypes (a block's own parameters: the stage's real shapes), timed, and its state and step
+    temporaries counted per parameter.
+
+    Its time is per million parameters: a stage's step streams each of its
+    parameters' state through memory, as the sample's does, at the sample's mix
+    of tensor sizes.
     """
-    weight = torch.zeros(OPTIMIZER_PROBE_PARAMETERS, device=device, requires_grad=True)
-    weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.AdamW([weight])
-    runs = []
-    for run in range(warmup + repeats):
+    weights = [torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device)) for p in shapes]
+    for w in weights:
+        w.grad = torch.full_like(w, 1e-3)
+    optimizer = factory(weights)
+    optimizer.step()  # its state exists from here: the step measured is a training step's, not the first
+    parameters = sum(w.numel() for w in weights)
+    state_bytes = sum(
+        t.untyped_storage().nbytes() for state in optimizer.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    )
+    step_bytes = _step_temporaries(optimizer, weights, device)
+    ms = time_phases(lambda _: optimizer.step(), device, 1, timing)[0]
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return OptimizerMeasurement(
+        ms * 1e6 / parameters, OptimizerProfile(name, state_bytes / parameters, step_bytes / parameters)
+    )
+
+
+def _step_temporaries(optimizer: torch.optim.Optimizer, weights: Sequence[torch.Tensor], device: torch.device) -> float:
+    """Bytes the step allocates beyond what it keeps: measured on CUDA; elsewhere one copy of the parameters
+    when it steps a group at once (``foreach``: torch's default on CUDA), none when it steps tensor by tensor."""
+    if device.type == "cuda":
         synchronize(device)
-        start = time.perf_counter()
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         optimizer.step()
         synchronize(device)
-        if run >= warmup:
-            runs.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(runs) * 1e6 / OPTIMIZER_PROBE_PARAMETERS
+        return float(max(0, torch.cuda.max_memory_allocated(device) - held))
+    grouped = any(group.get("foreach") for group in optimizer.param_groups)
+    return float(sum(w.untyped_storage().nbytes() for w in weights)) if grouped else 0.0
+
+
+def measure_action_overhead_ms(
+    step: Callable[[Any], Any], blocks: BlockList, batch: Any, device: torch.device,
+    timing: TimingOptions = TimingOptions(),
+) -> float:
+    """The engine's own time per action: the user's step on one sample with every block passing its input
+    on, without gradients, as the host spends it (no device synchronisation at its end).
+
+    An action of the engine calls the user's step for one microbatch of one
+    stage, whose blocks outside the stage pass their input on; on a GPU what
+    the host spends there is time the device waits for it once kernels are
+    short, and on emulated ranks it is what the deadlines cannot absorb.
+    """
+    patched = [b for b in blocks.blocks if "forward" not in b.__dict__]
+    for block in patched:
+        block.forward = _passing_on
+    micro = microbatch_slice(batch, 0, 1)
+    runs: list[float] = []
+
+    def one() -> None:
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            step(micro)
+        runs.append((time.perf_counter() - start) * 1e3)
+
+    try:
+        for _ in range(max(timing.min_warmup, 1)):
+            one()
+        runs.clear()
+        for _ in range(timing.repeats):
+            one()
+    finally:
+        for block in patched:
+            del block.forward
+    return sorted(runs)[len(runs) // 2]
+
+
+def _passing_on(*args: Any, **kwargs: Any) -> Any:
+    return args[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -11,7 +12,9 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.options import PlannerOptions
+from zorse_lightning.profiling.measure import ForwardContext
 from zorse_lightning.startup.plan_at_start import StartupInputs
+from zorse_lightning.startup.step_costs import OptimizerFactory
 from zorse_lightning.strategy.log_capture import LogCapture, capturing_logs
 
 
@@ -25,11 +28,42 @@ def rank_emulation(
     return RankEmulation(inventory, rank, slowdown)
 
 
-def quiet_training_step(module: Any):
-    """``run_step(microbatch)``: the module's own training step, its ``self.log`` calls discarded."""
+def _strategy_of(module: Any) -> Any:
+    """The strategy of the Trainer ``module`` is attached to (None: a bare module, as in tests)."""
+    try:
+        return module.trainer.strategy
+    except RuntimeError:  # Lightning's "not attached to a Trainer"
+        return None
+
+
+def precision_forward_context(module: Any) -> ForwardContext:
+    """The forward context of the precision plugin the run trains with (autocast under mixed precision):
+    start-up times the step in it, as training runs it. A bare module trains in its own dtype."""
+    strategy = _strategy_of(module)
+    return nullcontext if strategy is None else strategy.precision_plugin.forward_context
+
+
+def user_optimizer(module: Any) -> OptimizerFactory | None:
+    """The optimizer the run steps (the first of ``configure_optimizers``), as a factory of the same class
+    with the same settings (its first parameter group's), for start-up to time on sample parameters;
+    None when the strategy has none yet."""
+    strategy = _strategy_of(module)
+    optimizers = [] if strategy is None else strategy.optimizers
+    if not optimizers:
+        return None
+    optimizer = optimizers[0]
+    group = optimizer.param_groups[0]
+    settings = {key: group[key] for key in optimizer.defaults if key in group and key != "params"}
+    return lambda parameters: type(optimizer)(parameters, **settings)
+
+
+def quiet_training_step(module: Any, forward_context: ForwardContext | None = None):
+    """``run_step(microbatch)``: the module's own training step inside ``forward_context`` (default: the
+    precision plugin's), its ``self.log`` calls discarded; it returns what the step returns (the loss)."""
+    context = forward_context or precision_forward_context(module)
 
     def run_step(micro: Any) -> Any:
-        with capturing_logs(module, LogCapture(1)):
+        with capturing_logs(module, LogCapture(1)), context():
             return module.training_step(micro, 0)
 
     return run_step
@@ -54,6 +88,7 @@ def startup_inputs(
         global_batch_size=resumed_global_batch_size or loader.batch_size * world_size,
         planner_options=options, block_path=block_path, emulation=emulation,
         automatic_optimization=module.automatic_optimization, init_seed=init_seed,
+        forward_context=precision_forward_context(module), optimizer=user_optimizer(module),
     )
 
 
