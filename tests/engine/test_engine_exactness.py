@@ -280,12 +280,17 @@ def test_evaluation_gives_every_microbatch_once(results):
 
 
 def test_reduction_starts_during_the_last_backward(results):
-    """Every bucket's all-reduce was under way before reduce_gradients where asked, none where not."""
+    """Every bucket's all-reduce was under way before reduce_gradients where asked, none where not; a stage of
+    one rank has nothing to sum its own weights over: no bucket, no hook, no collective."""
     for case in CASES:
         if case.sharding in (Sharding.OPTIMIZER_GRADIENTS, Sharding.FULL):
             continue  # gradients go to their owners only: no stage-wide all-reduce
         for rank, per_rank in enumerate(results):
             run = per_rank[case.name]
+            stage = next((s for s in case.stages if rank in s[0]), None)
+            if stage is None or len(stage[0]) == 1:
+                assert run["buckets"] == 0 and run["started_in_backward"] == [0] * STEPS, (case.name, rank, run)
+                continue
             assert run["buckets"] >= 2, (case.name, rank, run["buckets"])
             expected = run["buckets"] if case.reduce_in_backward else 0
             assert run["started_in_backward"] == [expected] * STEPS, (case.name, rank, run)

@@ -37,6 +37,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.engine.faults import FaultPolicy
+    from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from testing.plans import hand_plan
 
@@ -59,8 +60,10 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     every = 1 if phase == "reference" else 2
+    # Snapshots after every step (the chosen interval may be longer): the rank dies at a known step.
     strategy = ZorseStrategy(cluster=inventory, plan=plan, emulate=False,
-                             faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25))
+                             faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25),
+                             recovery=RecoveryPolicy(snapshot_every_steps=1))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

@@ -140,8 +140,9 @@ def test_host_copies_write_the_same_files_as_reading_at_keep_time(tmp_path):
 
 
 def test_a_snapshot_cut_short_leaves_the_previous_step_whole(tmp_path, monkeypatch):
-    """Would catch host copies refilled in one buffer set: a snapshot whose copy never completes (it waits
-    behind a hung collective) must not have overwritten the step that keeping then writes."""
+    """Would catch host copies refilled in one buffer set, or a snapshot counted before its copy completed: a
+    copy that never completes (its stream waits behind a hung collective) must not have overwritten the step
+    that keeping then writes, and no later snapshot may start into the buffers being kept."""
     module, optimizer = _trained()
     keeper = SurvivorKeeper(host_copies=True)
     keeper.snapshot(1, {"global_step": 1}, module, [optimizer])
@@ -150,16 +151,25 @@ def test_a_snapshot_cut_short_leaves_the_previous_step_whole(tmp_path, monkeypat
     expected = _held_now(module, optimizer)
     _step(module, optimizer)
 
-    def hung(sources: list[Any]) -> None:
-        raise RuntimeError("the copy waits behind a collective the lost peer never joins")
-
-    monkeypatch.setattr(host_copies, "_wait_for_copies", hung)
-    with pytest.raises(RuntimeError, match="never joins"):
-        keeper.snapshot(3, {"global_step": 3}, module, [optimizer])
+    monkeypatch.setattr(host_copies.CopyDone, "query", lambda self: False)  # the copies never complete
+    assert keeper.snapshot(3, {"global_step": 3}, module, [optimizer]) is True  # queued, not yet counted
+    _step(module, optimizer)
+    assert keeper.snapshot(4, {"global_step": 4}, module, [optimizer]) is False  # step 3's copy still runs
+    assert keeper.newest_step == 2
 
     kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))
     assert kept["step"] == 2
     _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
+
+
+def test_the_runs_unchanging_entries_are_given_once_and_written_with_every_file(tmp_path):
+    """Would catch the plan and inventory dropped from survivors' files now that snapshots no longer carry them."""
+    module, optimizer = _trained()
+    keeper = SurvivorKeeper(host_copies=True)
+    keeper.static = {"zorse": {"plan": {"world_size": 2}, "inventory": "lab"}}
+    keeper.snapshot(1, {"global_step": 1, "zorse": {"sampler": {"epoch": 3}}}, module, [optimizer])
+    kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))
+    assert kept["common"]["zorse"] == {"plan": {"world_size": 2}, "inventory": "lab", "sampler": {"epoch": 3}}
 
 
 def test_snapshots_stop_once_keeping_has_started(tmp_path, monkeypatch):

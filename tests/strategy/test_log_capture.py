@@ -1,4 +1,5 @@
-"""Merging captured logs over 3 gloo ranks: the cached tensor path gives the object gather's result exactly."""
+"""Merging captured logs over 3 gloo ranks: the cached tensor path gives the object gather's result exactly;
+on one rank nothing is merged and tensor values stay tensors."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ EXPECTED_OBJECT_GATHERS = [1, 1, 1, 2, 2, 3, 3, 4, 5, 6, 6]
 
 
 def _rows(merged: dict[str, LoggedValue]) -> list[list[Any]]:
-    return [[name, record.kwargs, record.total, record.samples] for name, record in merged.items()]
+    """Plain numbers (the tensor path keeps its merged values on the device: tensors)."""
+    return [[name, record.kwargs, float(record.total), int(record.samples)] for name, record in merged.items()]
 
 
 def _worker(rank: int, out_dir: Path) -> list[dict[str, Any]]:
@@ -96,3 +98,19 @@ def test_merged_values_names_order_and_options(results):
     assert [row[:2] for row in steps[10]["cached"]] == [["count", SUM], ["acc", {}], ["loss", LOSS]]
     assert steps[10]["cached"][2][3] == 2 + 2 * 3
     assert steps[10]["cached"][1][2:] == [0.0 + 0.1 + (0.1 + 1 / 4) * 2 + (0.1 + 2 / 4) * 3, 1 + 2 + 3]  # rank order
+
+
+def test_one_rank_merges_nothing_and_keeps_logged_tensors_on_their_device(monkeypatch):
+    """Would catch a collective, or a read of the device (``float(tensor)``), for each ``self.log`` of a
+    one-rank run: logged tensors stay tensors and are divided on their device."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: pytest.fail("gathered on one rank"))
+    capture = LogCapture(samples_per_call=2)
+    import torch
+
+    loss = torch.tensor(0.5, requires_grad=True) * 3
+    capture.log("loss", loss, prog_bar=True)
+    capture.log("loss", torch.tensor(2.5), prog_bar=True)
+    merged = capture.merged_over_ranks(LogMerger())
+    assert isinstance(merged["loss"].value, torch.Tensor) and not merged["loss"].value.requires_grad
+    assert merged["loss"].value.item() == 2.0

@@ -63,15 +63,23 @@ def host_group() -> Any:
     return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
+BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
+"""Bytes per collective when the eager module is broadcast (DDP's figure for its start-up broadcast)."""
+
+
 @torch.no_grad()
 def broadcast_module(module: nn.Module, group: Any = None, src: int = 0) -> None:
     """Give every rank ``src``'s weights (random init differs per process; pretrained weights too).
 
     The module is still on the host (only the stage reaches the device, after the
-    cut), so this goes over a group for host tensors (:func:`host_group`).
+    cut), so this goes over a group for host tensors (:func:`host_group`), in a few
+    large collectives (tensors packed as DDP packs its own broadcast), not one per
+    tensor. A world of one rank has nobody to tell.
     """
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=src, group=group)
+    if dist.get_world_size(group) == 1:
+        return
+    tensors = [t.data for t in (*module.parameters(), *module.buffers())]
+    dist._broadcast_coalesced(group or dist.group.WORLD, tensors, BROADCAST_BUCKET_BYTES, src)
 
 
 class PipelineEngine:
@@ -85,9 +93,11 @@ class PipelineEngine:
         block_path: str | None = None,
         gradient_bucket_bytes: int = gradients.BUCKET_BYTES,
         initial: InitialValues = InitialValues(),
+        host_group: Any = None,
     ):
         """``initial``: the first values of what this rank places on ``device`` where the module was built on
-        the meta device (or the state a resumed checkpoint holds)."""
+        the meta device (or the state a resumed checkpoint holds). ``host_group``: a gloo group over all ranks
+        for the small host tensors of the step (None: the default group, where it is gloo)."""
         self.module = module
         self.initial = initial
         self.gradient_bucket_bytes = gradient_bucket_bytes
@@ -97,7 +107,7 @@ class PipelineEngine:
         self.block_path = block_path
         self.schedule = build_schedule(self.plan)
         self.forward_schedule = build_schedule(self.plan, forward_only=True)
-        self.transport = Transport(device)
+        self.transport = Transport(device, host_group)
         self.cut: StageCut | None = None
         self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
@@ -162,7 +172,7 @@ class PipelineEngine:
         _, shared = self._own_and_shared()
         stage_wide = self.sharded is None or not self.sharded.reduces_own_gradients
         everyone = self._local_with_holders() if stage_wide else [(p, self._holders[id(p)]) for p in shared]
-        self.reduction = gradients.OverlappedReduction(everyone, self.groups, self.gradient_bucket_bytes)
+        self.reduction = gradients.OverlappedReduction(everyone, self.groups, self.gradient_bucket_bytes, self.device)
         self._prepared = True
 
     @property
@@ -268,6 +278,8 @@ class PipelineEngine:
         program = self._program(train)
         gathered = self.sharded is not None and self.sharded.before_run(self.local_parameters())
         arm_at = self._arm_points(program) if reduce_in_backward else {}
+        if reduce_in_backward:
+            self.reduction.prepare_step()
         for i, action in enumerate(program):
             j = action.microbatch
             if j == EMPTY_ROUND:
@@ -293,7 +305,8 @@ class PipelineEngine:
             self.sharded.release(self.local_parameters())
         if self.sharded is not None:
             self.sharded.settle(self.local_parameters())
-        dist.all_reduce(loss_sum)
+        if self.plan.world_size > 1:
+            dist.all_reduce(loss_sum)
         return loss_sum
 
     def _program(self, train: bool) -> list:
@@ -351,11 +364,14 @@ class PipelineEngine:
         return received, output
 
     def _backward(self, stage: int, j: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
-        if stage == len(self.plan.stages) - 1:
-            torch.autograd.backward(output)
-        else:
-            src = self.plan.stages[stage + 1].rank_of_microbatch(j)
-            torch.autograd.backward(output, self.transport.recv_gradient(output, src))
+        """Outside autocast, as Lightning's backward is; the step's autocast region stays open around it, so
+        its cache of low-precision weights lives for the whole step (nested, it is not cleared here)."""
+        with torch.autocast(self.device.type, enabled=False):
+            if stage == len(self.plan.stages) - 1:
+                torch.autograd.backward(output)
+            else:
+                src = self.plan.stages[stage + 1].rank_of_microbatch(j)
+                torch.autograd.backward(output, self.transport.recv_gradient(output, src))
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
         if received is not None:

@@ -10,13 +10,17 @@ The sum over a stage's own group can start before the backward ends
 (:class:`OverlappedReduction`), as DDP's does: during the rank's last backward
 of the step, each bucket of gradients is all-reduced asynchronously as soon as
 every gradient in it is final, so the reduction of the last layers runs while
-the first ones still compute.
+the first ones still compute. As DDP's ``gradient_as_bucket_view``, the
+gradients are views into one persistent flat buffer per dtype, so a bucket is
+reduced in place: no concatenation, no copy back. A stage of one rank has
+nothing to sum its own weights over: no buffer, no hook, no collective.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,27 +60,85 @@ def _by_holders(params: list[tuple[nn.Parameter, frozenset[int]]]) -> dict[froze
     return by_holders
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """Parameters of one dtype whose gradients are one slice of the flat buffer of that dtype."""
+
+    params: tuple[nn.Parameter, ...]
+    flat: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+    """Each parameter's gradient as a view into ``flat``."""
+
+    def adopt_gradients(self) -> None:
+        """Make every gradient its view into the buffer, keeping its value: copied in where autograd made a new
+        tensor (gradients accumulated before the buffer was used), zero where the parameter has none (one
+        fill of the bucket when none has any, as at each step's start)."""
+        if all(param.grad is None for param in self.params):
+            self.flat.zero_()
+            for param, view in zip(self.params, self.views):
+                param.grad = view
+            return
+        for param, view in zip(self.params, self.views):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device) -> list[_Bucket]:
+    """``params`` in buckets of about ``bucket_bytes``, last parameters first (the order backward produces
+    them), each bucket a slice of one flat buffer per dtype."""
+    chunks: list[list[nn.Parameter]] = []
+    size = bucket_bytes
+    for param in reversed(params):
+        nbytes = param.numel() * param.element_size()
+        if not chunks or (size + nbytes > bucket_bytes and size > 0) or chunks[-1][-1].dtype != param.dtype:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(param)
+        size += nbytes
+    totals: dict[torch.dtype, int] = defaultdict(int)
+    for chunk in chunks:
+        totals[chunk[0].dtype] += sum(p.numel() for p in chunk)
+    buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in totals.items()}
+    offsets: dict[torch.dtype, int] = defaultdict(int)
+    buckets = []
+    for chunk in chunks:
+        dtype = chunk[0].dtype
+        start = offsets[dtype]
+        flat = buffers[dtype][start : start + sum(p.numel() for p in chunk)]
+        views, at = [], 0
+        for param in chunk:
+            views.append(flat[at : at + param.numel()].view_as(param))
+            at += param.numel()
+        offsets[dtype] = start + flat.numel()
+        buckets.append(_Bucket(tuple(chunk), flat, tuple(views)))
+    return buckets
+
+
 class OverlappedReduction:
     """Sums each local parameter's gradient over the ranks of the stages holding it, in place; the
     stage-group part may start during the last backward.
 
-    Gradients only the rank's own stage holds are cut into buckets of about
-    :data:`BUCKET_BYTES`, last parameters first (the order backward produces
-    them). :meth:`arm` is called before the rank's last backward of the step (interleaved: before each
-    chunk's last backward, for that chunk's weights):
-    from then on a hook marks each parameter whose gradient has accumulated, and
-    each bucket whose gradients are all final is all-reduced asynchronously, in
-    bucket order only (every rank of the stage issues the same collectives in
-    the same order, whatever order its hooks fire in). :meth:`finish` starts the
-    buckets not started yet (a parameter that got no gradient in the last
-    backward, a rank with no microbatch), waits for all of them, writes the sums
-    into ``.grad``, then reduces the weights shared with other stages (one
-    all-reduce per set of stages, in one order on every rank). Without
-    :meth:`arm`, :meth:`finish` alone is the plain reduction after backward.
+    Gradients only the rank's own stage holds are views into a flat buffer cut into buckets of about
+    :data:`BUCKET_BYTES`, last parameters first (the order backward produces them); a stage of one rank
+    has none. :meth:`prepare_step` makes the gradients those views before a run whose gradients are the
+    step's final ones, so autograd accumulates straight into the buffer. :meth:`arm` is called before
+    the rank's last backward of the step (interleaved: before each chunk's last backward, for that chunk's
+    weights): from then on a hook marks each parameter whose gradient has accumulated, and each bucket
+    whose gradients are all final is all-reduced asynchronously, in bucket order only (every rank of the
+    stage issues the same collectives in the same order, whatever order its hooks fire in).
+    :meth:`finish` starts the buckets not started yet (a parameter that got no gradient in the last
+    backward, a rank with no microbatch), waits for all of them, then reduces the weights shared with
+    other stages (one all-reduce per set of stages, in one order on every rank). Without :meth:`arm`,
+    :meth:`finish` alone is the plain reduction after backward.
     """
 
     def __init__(
-        self, params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups, bucket_bytes: int = BUCKET_BYTES
+        self, params: list[tuple[nn.Parameter, frozenset[int]]], groups: StageGroups,
+        bucket_bytes: int = BUCKET_BYTES, device: torch.device | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be positive (default {BUCKET_BYTES})")
@@ -84,35 +146,46 @@ class OverlappedReduction:
         by_holders = _by_holders(params)
         own = frozenset({groups.stage_index})
         self.shared = [(holders, by_holders[holders]) for holders in _sorted_sets(by_holders) if holders != own]
-        self.buckets: list[list[nn.Parameter]] = []
-        size = bucket_bytes
-        for param in reversed(by_holders.get(own, [])):
-            if size + param.numel() * param.element_size() > bucket_bytes and size > 0:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(param)
-            size += param.numel() * param.element_size()
-        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        alone = groups.is_idle or len(groups.stage_ranks) == 1
+        own_params = [] if alone else by_holders.get(own, [])
+        place = device if device is not None else (own_params[0].device if own_params else torch.device("cpu"))
+        self.buckets: list[_Bucket] = _buckets(own_params, bucket_bytes, place) if own_params else []
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
         self._waiting: list[int] = []
         self._handles: list = []
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self._in_flight: list[dist.Work] = []
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Memory of the flat gradient buffer: the stage's own gradients, held there instead of apart."""
+        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
 
     @property
     def started(self) -> int:
         """Buckets whose all-reduce has started this step."""
         return len(self._in_flight)
 
+    def prepare_step(self) -> None:
+        """Before a run whose gradients are the step's final ones: gradients become views into the buffer
+        (zeroed where there were none), so that autograd accumulates into it and nothing is copied at reduction."""
+        for bucket in self.buckets:
+            bucket.adopt_gradients()
+
     def arm(self, params: list[nn.Parameter] | None = None, more: bool = False) -> None:
         """From now on, the next accumulated gradient of each of ``params`` (None: all) is its final one for
         this step. ``more``: add to those armed earlier in this run (an interleaved rank arms each chunk's
         weights before that chunk's last backward, which comes before the rank's last one)."""
+        if not self.buckets:
+            return
         if not more:
             self._disarm()
-            for work, _ in self._in_flight:  # a step that never reached finish(): its sums are dropped
+            for work in self._in_flight:  # a step that never reached finish(): its sums are dropped
                 work.wait()
             self._in_flight = []
-            self._waiting = [len(bucket) for bucket in self.buckets]
-        chosen = [p for b in self.buckets for p in b] if params is None else [p for p in params if id(p) in self._bucket_of]
+            self._waiting = [len(bucket.params) for bucket in self.buckets]
+        chosen = [p for b in self.buckets for p in b.params] if params is None else [
+            p for p in params if id(p) in self._bucket_of
+        ]
         self._handles += [p.register_post_accumulate_grad_hook(self._accumulated) for p in chosen]
         self._start_ready()
 
@@ -125,9 +198,9 @@ class OverlappedReduction:
             self._start(self.started)
 
     def _start(self, index: int) -> None:
-        flat = _flat_gradients(self.buckets[index])
-        work = dist.all_reduce(flat, group=self.groups.stage_group, async_op=True)
-        self._in_flight.append((work, flat))
+        bucket = self.buckets[index]
+        bucket.adopt_gradients()
+        self._in_flight.append(dist.all_reduce(bucket.flat, group=self.groups.stage_group, async_op=True))
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -139,14 +212,20 @@ class OverlappedReduction:
         self._disarm()
         while self.started < len(self.buckets):
             self._start(self.started)
-        for (work, flat), bucket in zip(self._in_flight, self.buckets):
+        for work in self._in_flight:
             work.wait()
-            _unflatten_into_gradients(flat, bucket)
         self._in_flight = []
         for holders, params in self.shared:
             flat = _flat_gradients(params)
             dist.all_reduce(flat, group=self.groups.group_for_stages(holders))
             _unflatten_into_gradients(flat, params)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    grouped: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        grouped[tensor.dtype].append(tensor)
+    return list(grouped.values())
 
 
 def clip_global_norm_(
@@ -158,21 +237,25 @@ def clip_global_norm_(
     Gradients are already reduced, so each weight is counted once, on the first
     stage that holds it: by the stage's first rank (reduced gradients are equal
     on every rank of a stage), or by the rank ``counts`` accepts (the owner,
-    where gradients were summed into owners only). The sum is
-    all-reduced as a tensor on ``device``, the rank's own, also on a rank that holds
-    no weight (idle): NCCL refuses a host tensor.
+    where gradients were summed into owners only). The sum of squares is one
+    all-reduce, a tensor on ``device``, the rank's own, also on a rank that holds
+    no weight (idle): NCCL refuses a host tensor. Norms and scaling are foreach
+    kernels (one launch per dtype), as ``torch.nn.utils.clip_grad_norm_``'s; nothing waits on the host.
     """
     first_rank = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
-    norms = [
-        p.grad.detach().float().norm(2)
+    counted = [
+        p.grad.detach()
         for p, holders in params
         if (counts(p) if counts is not None else first_rank) and min(holders) == groups.stage_index and p.grad is not None
     ]
-    square = torch.stack(norms).square().sum().to(device) if norms else torch.zeros((), device=device)
-    dist.all_reduce(square)
+    squares = [
+        torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum() for grads in _by_dtype(counted)
+    ]
+    square = torch.stack(squares).sum().to(device) if squares else torch.zeros((), device=device)
+    if groups.plan.world_size > 1:
+        dist.all_reduce(square)
     total = square.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for param, _ in params:
-        if param.grad is not None:
-            param.grad.mul_(coefficient.to(param.grad.dtype))
+    for grads in _by_dtype([p.grad.detach() for p, _ in params if p.grad is not None]):
+        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
     return total

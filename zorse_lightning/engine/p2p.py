@@ -2,12 +2,18 @@
 
 An activation is preceded by a small header (dtype and shape) so that nothing
 is fixed at the first step: microbatches of different lengths or shapes pass.
-A gradient has the shape of the activation it belongs to, which both sides
-know, so it travels without header. Sends are asynchronous; their handles are
-kept (with the tensors) until :meth:`Transport.wait_sends`.
+The header is a host tensor sent over a group for host tensors (gloo): built
+from the shape the sender knows and read by the receiver on the host, it never
+makes either host wait for its device (a header on the GPU would: reading it is
+a device-to-host copy behind everything queued). A gradient has the shape of
+the activation it belongs to, which both sides know, so it travels without
+header. Sends are asynchronous; their handles are kept (with the tensors)
+until :meth:`Transport.wait_sends`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,12 +23,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 
 class Transport:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host_group: Any = None) -> None:
+        """``host_group``: a gloo group over all ranks for the headers (None: the default group, where it is gloo)."""
         self.device = device
+        self.host_group = host_group
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        self._pending.append((dist.isend(tensor, dst), tensor))
+    def _isend(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
 
     def send_activation(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
@@ -30,17 +38,17 @@ class Transport:
                 f"cannot send a {tensor.dtype} activation of {tensor.dim()} dims between stages; supported: "
                 f"up to {MAX_DIMS} dims of {[str(d) for d in _DTYPES]}"
             )
-        header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self._isend(header, dst)
+        shape = list(tensor.shape)
+        header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape, *[0] * (MAX_DIMS - len(shape))])
+        self._isend(header, dst, self.host_group)
         self._isend(tensor.detach().contiguous(), dst)
 
     def recv_activation(self, src: int) -> torch.Tensor:
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        tensor = torch.empty(tuple(int(d) for d in header[2 : 2 + ndim]), dtype=dtype, device=self.device)
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        dist.recv(header, src, group=self.host_group)
+        fields = header.tolist()  # a host tensor: nothing waits for a device
+        dtype, ndim = _DTYPES[fields[0]], fields[1]
+        tensor = torch.empty(tuple(fields[2 : 2 + ndim]), dtype=dtype, device=self.device)
         dist.recv(tensor, src)
         return tensor
 

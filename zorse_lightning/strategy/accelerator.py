@@ -64,7 +64,7 @@ class ZorseAccelerator(Accelerator):
         self.inventory = inventory
         self.fastest_slowdown = fastest_slowdown
 
-    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
+    def describe_rank(self, global_rank: int, local_rank: int, device: torch.device | None = None) -> RankDevice:
         """The device and GPU type of a rank (call it on that rank: CUDA detection reads the local device)."""
         raise NotImplementedError  # each variant knows its device kind
 
@@ -106,7 +106,7 @@ class ZorseCPUAccelerator(CPUAccelerator, ZorseAccelerator):
     """CPU ranks; with an inventory, each emulates the GPU type listed at its global rank."""
 
     @override
-    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
+    def describe_rank(self, global_rank: int, local_rank: int, device: torch.device | None = None) -> RankDevice:
         if self.inventory is None:
             return RankDevice(global_rank, torch.device("cpu"), gpu_type=None, emulation=None)
         spec = emulation_spec_for_rank(self.inventory, global_rank, self.fastest_slowdown)
@@ -137,8 +137,9 @@ class ZorseCUDAAccelerator(CUDAAccelerator, ZorseAccelerator):
     """One CUDA device per rank (:func:`cuda_index_for`), its type detected and named from the catalog."""
 
     @override
-    def describe_rank(self, global_rank: int, local_rank: int) -> RankDevice:
-        device = torch.device("cuda", cuda_index_for(local_rank, torch.cuda.device_count()))
+    def describe_rank(self, global_rank: int, local_rank: int, device: torch.device | None = None) -> RankDevice:
+        """``device``: the rank's own (the strategy's root device); None: ``cuda:LOCAL_RANK`` (:func:`cuda_index_for`)."""
+        device = device or torch.device("cuda", cuda_index_for(local_rank, torch.cuda.device_count()))
         report = local_device_report(device)
         if report is None:
             raise ZorseUserError(f"{device} gave no device report; check the CUDA installation with nvidia-smi")

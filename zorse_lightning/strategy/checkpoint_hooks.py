@@ -87,16 +87,23 @@ class CheckpointHooks(ProcessStrategy):
             return {"param_groups": checkpoint_io.optimizer_hyperparameters(optimizer)}
         return checkpoint_io.local_optimizer_state(optimizer, self.lightning_module)
 
-    def _snapshot_for_recovery(self, trainer: Any) -> None:
-        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep."""
+    def _snapshot_for_recovery(self, trainer: Any) -> bool:
+        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep. What
+        never changes over the run (plan, inventory) is given to the keeper once. False: none was started."""
+        module, optimizers = self.lightning_module, self._raw_optimizers()
+        if not self._keeper.static:
+            if self._keeper.copies(module, optimizers):
+                fast_recovery.check_host_memory(self._keeper.held_bytes(module, optimizers), len(self.parallel_devices))
+            static = checkpoint_io.zorse_section(self._plan, self.inventory, None)
+            self._keeper.static = {"zorse": {k: v for k, v in static.items() if k != "sampler"}}
         self._tensorless_dump = True
         try:
             common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._tensorless_dump = False
         del common["state_dict"]
-        common["zorse"] = checkpoint_io.zorse_section(self._plan, self.inventory, self._resume.sampler_state())
-        self._keeper.snapshot(trainer.global_step, common, self.lightning_module, self._raw_optimizers())
+        common["zorse"] = {"sampler": checkpoint_io.zorse_section(None, None, self._resume.sampler_state())["sampler"]}
+        return self._keeper.snapshot(trainer.global_step, common, module, optimizers)
 
     def _keep_survivor_state(self) -> None:
         if self._recovery.enabled and self.lightning_module is not None:

@@ -39,9 +39,12 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
+import statistics
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,7 +69,8 @@ from zorse_lightning.strategy.checkpoint_io import (
     merged_state_dict,
 )
 from zorse_lightning.strategy.checkpoint_io import load as load_checkpoint
-from zorse_lightning.strategy.host_copies import HostCopy, copy_to_host, held_on_device, lives_off_host
+from zorse_lightning.strategy.host_copies import CopyDone, HostCopy, copy_to_host, held_on_device, lives_off_host
+from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.materialize import holds_values
 
 SURVIVORS_DIR = ".survivors"
@@ -79,7 +83,25 @@ class RecoveryPolicy:
     """Where survivors keep their state (local disk); None: ``<checkpoint dirpath>/.survivors``, and on resume
     ``<directory of ckpt_path>/.survivors``."""
     enabled: bool = True
-    """Snapshot every step and keep state on a lost rank; off: resume from checkpoints only."""
+    """Snapshot after optimizer steps and keep state on a lost rank; off: resume from checkpoints only. A world
+    of one rank keeps nothing either way (no survivor can exist)."""
+    snapshot_every_steps: int | None = None
+    """Steps between snapshots (a recovery may redo up to this many); None: chosen from the snapshot's measured
+    cost, so that it costs at most ``max_snapshot_cost`` of the step time."""
+    max_snapshot_cost: float = 0.03
+    """The share of step time snapshots may cost when their interval is chosen (CheckFreq's bound is 3.5 %)."""
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every_steps is not None and self.snapshot_every_steps < 1:
+            raise ZorseUserError(
+                f"RecoveryPolicy(snapshot_every_steps={self.snapshot_every_steps!r}): must be at least 1 (1: every "
+                f"step), or None to choose it from the snapshot's measured cost"
+            )
+        if not 0 < self.max_snapshot_cost <= 1:
+            raise ZorseUserError(
+                f"RecoveryPolicy(max_snapshot_cost={self.max_snapshot_cost!r}): must be a share of step time in "
+                f"(0, 1], e.g. 0.03 for 3 %"
+            )
 
 
 @dataclass(frozen=True)
@@ -116,6 +138,8 @@ class _Snapshot:
     """Version counters of the held tensors (state on the host); empty when ``host`` holds copies."""
     host: HostCopy | None
     """Host copies of the held state (state on a device)."""
+    done: CopyDone = CopyDone()
+    """When ``host`` is complete: a snapshot counts only from then."""
 
 
 def _serialized(common: dict[str, Any]) -> bytes:
@@ -149,41 +173,99 @@ def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> No
     temporary.replace(path)
 
 
+def host_bytes_available() -> int:
+    """Host memory the system can still give (Linux's MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class SurvivorKeeper:
     """One rank's snapshot of its last completed step, and the writing of its state when a rank is lost.
 
     Keeping may run while the main thread is stuck in a collective a lost peer never joins. Under NCCL
     such a collective blocks the CUDA stream, and a device-to-host copy queued behind it would never
-    return: state on a device is therefore copied to the host at each step end, and keeping writes those
-    copies. State on the host cannot be blocked by a hung kernel, so there the snapshot records only
-    version counters (no copy, no memory) and keeping reads the tensors themselves if they have not moved.
+    return: state on a device is therefore copied to pinned host buffers after optimizer steps, on a side
+    stream that overlaps the next step (:func:`~.host_copies.copy_to_host`), and keeping writes the newest
+    copy known to be complete, never waiting. State on the host cannot be blocked by a hung kernel, so
+    there the snapshot records only version counters (no copy, no memory) and keeping reads the tensors
+    themselves if they have not moved.
 
-    Host copies alternate between two buffer sets, refilled in place: keeping may start while a snapshot
-    is copying (or while that copy waits behind a hung collective), and must then find the previous step
-    whole. Once keeping has started, snapshots stop, so the copies it writes are never refilled."""
+    Host copies alternate between two buffer sets, refilled in place: one holds the newest complete
+    snapshot, the other takes the next copy, which starts only once the previous one has completed. Once
+    keeping has started, snapshots stop, so the copies it writes are never refilled. ``static`` holds what
+    every snapshot shares and never changes (the plan, the inventory): set once, written with each file."""
 
     def __init__(self, host_copies: bool | None = None) -> None:
         """``host_copies``: whether snapshots copy the held state to host memory; None: exactly when some of it
         lives off the host (on a GPU)."""
         self._host_copies = host_copies
         self._snapshot: _Snapshot | None = None
+        self._pending: _Snapshot | None = None
         self._spare: HostCopy | None = None
+        self._stream: Any = None
         self._kept = False
         self._keeping = threading.Lock()
+        self.static: dict[str, Any] = {}
+        """Entries of Lightning's checkpoint dictionary that never change over the run, merged in when writing."""
+        self.last_copy_ms: float | None = None
+        """How long the newest complete copy took on its stream (0 for version counters; None before one)."""
 
-    def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> None:
-        """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors."""
+    def held_bytes(self, module: nn.Module, optimizers: list) -> int:
+        """Bytes of the state a snapshot copies (what each of its two host buffer sets holds)."""
+        return sum(t.numel() * t.element_size() for t in _tensors(module, optimizers))
+
+    def copies(self, module: nn.Module, optimizers: list) -> bool:
+        """Whether snapshots copy the held state (it lives on a device, or copies were asked for)."""
+        return self._host_copies if self._host_copies is not None else lives_off_host(_tensors(module, optimizers))
+
+    def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> bool:
+        """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors. False when
+        no snapshot was started: keeping began, or the previous copy has not completed yet."""
         if self._kept:
-            return
+            return False
+        self._settle()
+        if self._pending is not None:
+            return False
         tensors = _tensors(module, optimizers)
-        copies = self._host_copies if self._host_copies is not None else lives_off_host(tensors)
-        if not copies:
+        if not self.copies(module, optimizers):
             self._snapshot = _Snapshot(step, _serialized(common), _versions(tensors), None)
+            self.last_copy_ms = 0.0
+            return True
+        if self._stream is None and any(t.is_cuda for t in tensors):
+            self._stream = torch.cuda.Stream()
+        host, done = copy_to_host(held_on_device(module, optimizers), self._spare, self._stream)
+        self._spare = None
+        self._pending = _Snapshot(step, _serialized(common), {}, host, done)
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        """Publish the pending copy once complete (asks the device, never waits); its buffers' predecessor
+        becomes the spare set."""
+        pending = self._pending
+        if pending is None or not pending.done.query():
             return
-        published = self._snapshot
-        host = copy_to_host(held_on_device(module, optimizers), self._spare)
-        self._snapshot = _Snapshot(step, _serialized(common), {}, host)
+        self.last_copy_ms = pending.done.elapsed_ms()
+        published, self._snapshot, self._pending = self._snapshot, pending, None
         self._spare = published.host if published is not None else None
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer step about to be queued changes the weights: it runs after the pending copy (a wait on
+        the device, not on the host)."""
+        if self._pending is not None:
+            self._pending.done.make_current_stream_wait()
+
+    @property
+    def newest_step(self) -> int | None:
+        """The step of the newest complete snapshot (None before one)."""
+        self._settle()
+        return self._snapshot.step if self._snapshot is not None else None
 
     def keep(self, directory: Path, rank: int, module: nn.Module, optimizers: list) -> Path | None:
         """Write this rank's state of the snapshot's step, once, from the main thread or the watchdog's.
@@ -192,6 +274,7 @@ class SurvivorKeeper:
         unstuck by the lost connection, handles its error); the second waits until the first has written:
         returning at once would let the process end, and the watchdog's daemon thread with it, mid-write."""
         with self._keeping:
+            self._settle()
             if self._kept or self._snapshot is None:
                 return None
             self._kept = True
@@ -203,7 +286,7 @@ class SurvivorKeeper:
             return None
         state_dict, optimizer_states = held
         state = {
-            "format": FORMAT, "rank": rank, "step": snap.step, "common": _deserialized(snap.common),
+            "format": FORMAT, "rank": rank, "step": snap.step, "common": _with_static(_deserialized(snap.common), self.static),
             "state_dict": state_dict, "optimizers": optimizer_states,
         }
         names = {id(p): n for n, p in module.named_parameters()}  # identities only: no tensor is read
@@ -221,6 +304,14 @@ class SurvivorKeeper:
             print(f"zorse: rank {rank} could not keep its state in {target}: {error}", file=sys.stderr, flush=True)
             return None
         return target / f"rank-{rank}.pt"
+
+
+def _with_static(common: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:
+    """``common`` with the run's unchanging entries merged in (one level deep: ``"zorse"`` has both kinds)."""
+    merged = dict(common)
+    for key, value in static.items():
+        merged[key] = {**value, **merged.get(key, {})} if isinstance(value, dict) else value
+    return merged
 
 
 def _read_unmoved(
@@ -343,17 +434,88 @@ def load(
 
 
 
-class SnapshotEachStep(pl.Callback):
-    """First of the callbacks, so that its snapshot holds what ``ModelCheckpoint`` would save at that step."""
+def snapshot_interval(cost_ms: float, step_ms: float, max_cost: float) -> int:
+    """Steps between snapshots so that one snapshot's cost, spread over them, is at most ``max_cost`` of a step."""
+    if step_ms <= 0:
+        return 1
+    return max(1, math.ceil(cost_ms / (max_cost * step_ms)))
 
-    def __init__(self, take: Callable[[pl.Trainer], None]) -> None:
+
+PINNED_SHARE_OF_HOST = 0.5
+"""Pinned host memory cannot be swapped out: snapshots may take at most this share of what is available."""
+
+
+def check_host_memory(held_bytes: int, processes: int, available_bytes: int | None = None) -> None:
+    """Each of this machine's ``processes`` pins two copies of its ``held_bytes`` for snapshots: refuse a run
+    that would pin more than :data:`PINNED_SHARE_OF_HOST` of the available host memory."""
+    available = host_bytes_available() if available_bytes is None else available_bytes
+    needed = 2 * held_bytes * processes
+    if needed > PINNED_SHARE_OF_HOST * available:
+        raise ZorseUserError(
+            f"survivor snapshots would pin {needed / 2**30:.1f} GiB of host memory (2 copies of "
+            f"{held_bytes / 2**30:.2f} GiB for each of {processes} processes on this machine), more than "
+            f"{100 * PINNED_SHARE_OF_HOST:g} % of the {available / 2**30:.1f} GiB available; turn snapshots off with "
+            f"ZorseStrategy(recovery=RecoveryPolicy(enabled=False)) (resume from checkpoints only), or run on "
+            f"machines with more host memory"
+        )
+
+
+class SurvivorSnapshots(pl.Callback):
+    """First of the callbacks, so that its snapshot holds what ``ModelCheckpoint`` would save at that step.
+
+    Snapshots are taken every ``interval`` optimizer steps. Unless the policy fixes it, the interval is
+    chosen once the first snapshot is complete and a few steps were timed (snapshots are taken at every
+    step until then, as far as their copies allow): its cost (the host's time to take the first one plus
+    its copy's time on the side stream, counted as if it did not overlap the step at all) over
+    :attr:`RecoveryPolicy.max_snapshot_cost` of the median step. The run says what it chose.
+    """
+
+    STEPS_TIMED = 4
+    """Steps (end to end, host clock) timed before the interval is chosen."""
+
+    def __init__(self, take: Callable[[pl.Trainer], bool], keeper: SurvivorKeeper, policy: RecoveryPolicy) -> None:
         self._take = take
+        self._keeper = keeper
+        self._policy = policy
+        self.interval: int | None = policy.snapshot_every_steps
         self._last_step = -1
+        self._last_end: float | None = None
+        self._step_ms: list[float] = []
+        self._take_ms: float | None = None
+        self.cost_ms: float | None = None
+        """One snapshot's measured cost: host time plus copy time (None until the interval is chosen)."""
+        self.step_ms: float | None = None
+        """The median step it was weighed against."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step != self._last_step:  # an optimizer step completed (not mid-accumulation)
-            self._last_step = trainer.global_step
-            self._take(trainer)
+        if trainer.global_step == self._last_step:  # mid-accumulation: no optimizer step completed
+            return
+        self._last_step = trainer.global_step
+        now = time.perf_counter()
+        if self._last_end is not None and len(self._step_ms) < self.STEPS_TIMED:
+            self._step_ms.append((now - self._last_end) * 1000)
+        self._last_end = now
+        if self.interval is None:
+            self._choose_interval()
+        # Until the interval is chosen, every step (the cost is being measured); then every ``interval`` steps.
+        if self.interval is None or trainer.global_step % self.interval == 0:
+            if self._take(trainer) and self._take_ms is None:
+                self._take_ms = (time.perf_counter() - now) * 1000
+            self._last_end = time.perf_counter()  # the snapshot's host time is timed apart from the step's
+
+    def _choose_interval(self) -> None:
+        if self._take_ms is None or self._keeper.newest_step is None or len(self._step_ms) < self.STEPS_TIMED:
+            return
+        copy_ms = self._keeper.last_copy_ms or 0.0
+        self.cost_ms = cost_ms = self._take_ms + copy_ms
+        self.step_ms = step_ms = statistics.median(self._step_ms)
+        self.interval = snapshot_interval(cost_ms, step_ms, self._policy.max_snapshot_cost)
+        rank_zero_info(
+            f"zorse: survivor snapshots every {self.interval} steps (a recovery redoes at most {self.interval}): "
+            f"one costs {cost_ms:.1f} ms ({self._take_ms:.1f} on the host, {copy_ms:.1f} copying) against a "
+            f"{step_ms:.1f} ms step, at most {100 * self._policy.max_snapshot_cost:g} % of step time "
+            f"(RecoveryPolicy(snapshot_every_steps=...) fixes it)"
+        )
 
 
 def keeping_directory(policy: RecoveryPolicy, trainer: pl.Trainer) -> Path:
@@ -363,5 +525,5 @@ def keeping_directory(policy: RecoveryPolicy, trainer: pl.Trainer) -> Path:
     return survivors_directory(policy, dirpath)
 
 
-__all__ = ["KeptIndex", "RecoveryPolicy", "RecoveryReport", "SnapshotEachStep", "SurvivorKeeper", "choose_step",
+__all__ = ["KeptIndex", "RecoveryPolicy", "RecoveryReport", "SurvivorKeeper", "SurvivorSnapshots", "check_host_memory", "choose_step",
            "keeping_directory", "load", "survivors_directory"]

@@ -1,10 +1,15 @@
-"""Host copies of a rank's held state, taken at step end: what survivors keep when their state is on a GPU.
+"""Host copies of a rank's held state, taken after an optimizer step: what survivors keep when their state is on
+a GPU.
 
 Under NCCL a collective that a dead peer never joins blocks the CUDA stream, so
 a device-to-host copy made when the loss is noticed would wait forever. The
-copies are therefore made at the end of every step, into reused (pinned)
-buffers, and keeping writes them without touching the device
-(:class:`~.fast_recovery.SurvivorKeeper`).
+copies are therefore made after optimizer steps, into reused pinned buffers,
+and keeping writes them without touching the device
+(:class:`~.fast_recovery.SurvivorKeeper`). As PyTorch's asynchronous
+checkpointing and CheckFreq do, a copy runs on a side stream after an event
+recorded at the end of the optimizer step, so it overlaps the next step's
+forward and backward; the host never waits for it, and the next optimizer step
+waits (on the device) for it to finish before it changes the weights.
 """
 
 from __future__ import annotations
@@ -59,19 +64,50 @@ def _host_buffer(value: Any) -> torch.Tensor | None:
     return torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
 
 
-def copy_to_host(tree: dict[str, Any], spare: HostCopy | None) -> HostCopy:
-    """``tree`` copied to host memory, into ``spare``'s buffers when they fit (no allocation in steady state)."""
+class CopyDone:
+    """When a host copy is complete: at once on the host; on a GPU when its side stream has run it."""
+
+    def __init__(self, start: torch.cuda.Event | None = None, end: torch.cuda.Event | None = None,
+                 elapsed_ms: float = 0.0) -> None:
+        self._start, self._end, self._elapsed_ms = start, end, elapsed_ms
+
+    def query(self) -> bool:
+        """Whether the copy has completed (never waits)."""
+        return self._end is None or self._end.query()
+
+    def make_current_stream_wait(self) -> None:
+        """The current stream's later work (the next optimizer step) runs after the copy; the host goes on."""
+        if self._end is not None:
+            torch.cuda.current_stream().wait_event(self._end)
+
+    def elapsed_ms(self) -> float | None:
+        """How long the copy took, once complete (None before)."""
+        if self._end is None:
+            return self._elapsed_ms
+        return self._start.elapsed_time(self._end) if self._end.query() else None
+
+
+def copy_to_host(tree: dict[str, Any], spare: HostCopy | None, stream: Any = None) -> tuple[HostCopy, CopyDone]:
+    """``tree`` copied to host memory, into ``spare``'s buffers when they fit (no allocation in steady state).
+
+    Device tensors are copied on ``stream`` (a side CUDA stream) after what the current stream has queued so
+    far, without waiting: the copy is complete when the returned :class:`CopyDone` says so. Host tensors
+    are copied at once."""
     leaves, spec = tree_flatten(tree)
     buffers = spare.leaves if spare is not None and spare.fits(spec, leaves) else [_host_buffer(v) for v in leaves]
+    on_device = [isinstance(v, torch.Tensor) and v.is_cuda for v in leaves]
     copied = [
-        buffer.copy_(value.detach(), non_blocking=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-        for buffer, value in zip(buffers, leaves)
+        copy.deepcopy(value) if not isinstance(value, torch.Tensor) else buffer if device else buffer.copy_(value.detach())
+        for buffer, value, device in zip(buffers, leaves, on_device)
     ]
-    _wait_for_copies(leaves)
-    return HostCopy(spec, copied)
-
-
-def _wait_for_copies(sources: list[Any]) -> None:
-    """Copies into pinned memory run asynchronously: wait, once per device, until its stream has run them."""
-    for device in {v.device for v in sources if isinstance(v, torch.Tensor) and v.is_cuda}:
-        torch.cuda.current_stream(device).synchronize()
+    if not any(on_device):
+        return HostCopy(spec, copied), CopyDone()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        start.record()
+        for buffer, value, device in zip(buffers, leaves, on_device):
+            if device:
+                buffer.copy_(value.detach(), non_blocking=True)
+        end.record()
+    return HostCopy(spec, copied), CopyDone(start, end)

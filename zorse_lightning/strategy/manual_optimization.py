@@ -72,7 +72,8 @@ def check_manual_plan(plan: Plan, module: nn.Module, precision_plugin: Any) -> N
 class ManualOptimization:
     """One rank's share of a manual-optimisation step: the user's step on its samples, weighted backward."""
 
-    def __init__(self, engine: PipelineEngine, module: nn.Module, precision_plugin: Any) -> None:
+    def __init__(self, engine: PipelineEngine, module: nn.Module, precision_plugin: Any, host_group: Any = None) -> None:
+        """``host_group``: a gloo group over all ranks for the log merge's flag (None: the default group)."""
         self.engine = engine
         self.module = module
         self.precision_plugin = precision_plugin
@@ -80,7 +81,7 @@ class ManualOptimization:
         self.local_samples = len(plan.stages[0].microbatch_ranges()[rank]) * plan.microbatch_size
         self.weight = self.local_samples / plan.global_batch_size
         """Of this rank's mean loss in the global-batch mean (0 for a rank without samples)."""
-        self.log_merger = LogMerger(engine.device)
+        self.log_merger = LogMerger(engine.device, host_group)
         """The metric layout each step's merge reuses (one small gather while names stay the same)."""
 
     def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:

@@ -1,10 +1,13 @@
-"""Mixed precision for a plan: one mode every rank supports, and loss scaling that agrees across stages.
+"""Precision for a plan: one mode for every rank, and loss scaling that agrees across stages.
 
-The mode is chosen for the whole cluster, since activations cross stages and
-gradients are reduced between ranks of different types: bf16 autocast where
-every GPU supports bf16 (A100/H100 class); fp16 autocast with dynamic loss
-scaling where any lacks it (V100, T4); float32 on CPU ranks, emulated clusters
-included (emulation is about speed, not numerics).
+As in Lightning, the Trainer's flag decides (``Trainer(precision="bf16-mixed")``;
+Lightning's default is ``"32-true"``). One mode holds for the whole cluster,
+since activations cross stages and gradients are reduced between ranks of
+different types; a mode some GPU type cannot run is an error naming it, never a
+silent change. ``ZorseStrategy(precision="auto")`` asks for the cluster-wide
+choice instead: bf16 autocast where every GPU supports bf16 (A100/H100 class);
+fp16 autocast with dynamic loss scaling where any lacks it (V100, T4); float32
+on CPU ranks, emulated clusters included (emulation is about speed, not numerics).
 
 Why not Lightning's ``MixedPrecision`` with ``torch.amp.GradScaler``: the
 scaler decides per optimizer and per process whether gradients overflowed, but
@@ -18,14 +21,16 @@ nowhere. The scale follows GradScaler's rule (defaults included).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from zorse_lightning.cluster.gpu_type import GpuType
@@ -38,11 +43,18 @@ class PrecisionMode(str, Enum):
     FP32 = "32-true"
     BF16 = "bf16-mixed"
     FP16 = "16-mixed"
+    BF16_TRUE = "bf16-true"
+    FP16_TRUE = "16-true"
+    FP64 = "64-true"
 
 
 _AUTOCAST_DTYPE: dict[PrecisionMode, torch.dtype | None] = {
-    PrecisionMode.FP32: None, PrecisionMode.BF16: torch.bfloat16, PrecisionMode.FP16: torch.float16
+    PrecisionMode.BF16: torch.bfloat16, PrecisionMode.FP16: torch.float16
 }
+_PARAMETER_DTYPE: dict[PrecisionMode, torch.dtype | None] = {
+    PrecisionMode.BF16_TRUE: torch.bfloat16, PrecisionMode.FP16_TRUE: torch.float16, PrecisionMode.FP64: torch.float64
+}
+_NEEDS_BF16 = (PrecisionMode.BF16, PrecisionMode.BF16_TRUE)
 
 
 @dataclass(frozen=True)
@@ -57,23 +69,25 @@ class PrecisionChoice:
 
 
 def choose_precision(gpu_types: Iterable[GpuType], device_type: str) -> PrecisionChoice:
-    """The fastest mode every rank supports (``device_type``: ``"cuda"`` or ``"cpu"``)."""
+    """``ZorseStrategy(precision="auto")``: the fastest mode every rank supports (``device_type``: ``"cuda"``
+    or ``"cpu"``)."""
     if device_type != "cuda":
-        return PrecisionChoice(PrecisionMode.FP32, "CPU ranks (emulated GPUs model speed, not numerics)")
+        return PrecisionChoice(PrecisionMode.FP32, "chosen for CPU ranks (emulated GPUs model speed, not numerics)")
     types = {t.name: t for t in gpu_types}
     lacking = sorted(name for name, t in types.items() if not t.supports_bf16)
     if not lacking:
-        return PrecisionChoice(PrecisionMode.BF16, f"every GPU type ({', '.join(sorted(types))}) supports bf16")
-    return PrecisionChoice(PrecisionMode.FP16, f"{', '.join(lacking)} lack bf16: fp16 with dynamic loss scaling")
+        return PrecisionChoice(PrecisionMode.BF16, f"chosen: every GPU type ({', '.join(sorted(types))}) supports bf16")
+    return PrecisionChoice(PrecisionMode.FP16, f"chosen: {', '.join(lacking)} lack bf16: fp16 with dynamic loss scaling")
 
 
 def check_requested(mode: PrecisionMode, gpu_types: Iterable[GpuType], device_type: str) -> None:
     """A mode the user asked for must run on every rank."""
     lacking = sorted({t.name for t in gpu_types if not t.supports_bf16})
-    if mode is PrecisionMode.BF16 and device_type == "cuda" and lacking:
+    if mode in _NEEDS_BF16 and device_type == "cuda" and lacking:
+        half = "16-mixed" if mode is PrecisionMode.BF16 else "16-true"
         raise ZorseUserError(
-            f"precision='bf16-mixed' was asked for, but {lacking} of this cluster lack bf16; "
-            f"use precision='16-mixed' (fp16 with loss scaling) or 'auto', which picks it"
+            f"precision={mode.value!r} was asked for, but the GPU types {lacking} of this cluster lack bf16; "
+            f"use precision={half!r} or ZorseStrategy(precision='auto'), which picks fp16 with loss scaling"
         )
 
 
@@ -120,7 +134,9 @@ class DynamicLossScale:
 
 
 class ZorsePrecision(Precision):
-    """Autocast to ``autocast_dtype`` (None: float32) and, with ``loss_scale``, agreed dynamic loss scaling.
+    """Autocast to ``autocast_dtype`` (None: none), weights in ``parameter_dtype`` (``"bf16-true"``,
+    ``"16-true"``, ``"64-true"``, as Lightning's ``HalfPrecision``/``DoublePrecision``; None: as built) and,
+    with ``loss_scale``, agreed dynamic loss scaling.
 
     ``parameters`` gives this rank's parameters (the engine's, once the model is
     cut). The strategy multiplies the backward of the schedule by
@@ -135,8 +151,13 @@ class ZorsePrecision(Precision):
         loss_scale: DynamicLossScale | None = None,
         parameters: Callable[[], Sequence[torch.nn.Parameter]] | None = None,
         device: torch.device | None = None,
+        parameter_dtype: torch.dtype | None = None,
     ) -> None:
         self.autocast_dtype = autocast_dtype
+        self.parameter_dtype = parameter_dtype
+        self.cache_weights = True
+        """Autocast keeps each weight's low-precision copy for the whole step (one cast per step, as Lightning's
+        ``MixedPrecision``); the strategy turns it off where weights are gathered anew for each microbatch."""
         self.device_type = device_type
         self.loss_scale = loss_scale
         self.parameters = parameters
@@ -146,7 +167,32 @@ class ZorsePrecision(Precision):
 
     @classmethod
     def for_mode(cls, mode: PrecisionMode, device_type: str) -> ZorsePrecision:
-        return cls(_AUTOCAST_DTYPE[mode], device_type, DynamicLossScale() if mode is PrecisionMode.FP16 else None)
+        scale = DynamicLossScale() if mode is PrecisionMode.FP16 else None
+        return cls(_AUTOCAST_DTYPE.get(mode), device_type, scale, parameter_dtype=_PARAMETER_DTYPE.get(mode))
+
+    @property
+    def mode(self) -> PrecisionMode:
+        if self.parameter_dtype is not None:
+            return next(m for m, dtype in _PARAMETER_DTYPE.items() if dtype == self.parameter_dtype)
+        return next((m for m, dtype in _AUTOCAST_DTYPE.items() if dtype == self.autocast_dtype), PrecisionMode.FP32)
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module if self.parameter_dtype is None else module.to(dtype=self.parameter_dtype)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return nullcontext() if self.parameter_dtype is None else _DtypeContextManager(self.parameter_dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.parameter_dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.parameter_dtype)
 
     @property
     def loss_scale_value(self) -> float:
@@ -155,11 +201,11 @@ class ZorsePrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.autocast_dtype is None:
-            with nullcontext():
+        if self.autocast_dtype is not None:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=self.cache_weights):
                 yield
         else:
-            with torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=False):
+            with self.tensor_init_context():  # true modes: tensors made in the step take the weights' dtype
                 yield
 
     @override
@@ -187,29 +233,52 @@ class ZorsePrecision(Precision):
             self.loss_scale.load_state_dict(state_dict)
 
 
+def _trainer_mode(plugin: Precision) -> PrecisionMode | None:
+    """The mode Lightning's plugin stands for; None for Lightning's default (``"32-true"``: asked for or not,
+    the two cannot be told apart)."""
+    name = getattr(plugin, "precision", None)
+    if type(plugin) is Precision or name == PrecisionMode.FP32.value:
+        return None
+    try:
+        return PrecisionMode(name)
+    except ValueError:
+        raise ZorseUserError(
+            f"the Trainer's precision plugin {type(plugin).__name__} ({name!r}) is not supported by zorse; use "
+            f"Trainer(precision=...) with one of {', '.join(repr(m.value) for m in PrecisionMode)}"
+        ) from None
+
+
 def resolve_precision(
-    requested: str, lightning_plugin: Precision, gpu_types: Sequence[GpuType], device_type: str
+    requested: str | None, lightning_plugin: Precision, gpu_types: Sequence[GpuType], device_type: str
 ) -> tuple[ZorsePrecision, PrecisionChoice]:
     """The plugin for ``ZorseStrategy(precision=requested)`` given what Lightning's flag produced.
 
-    ``"auto"`` keeps a mixed mode the user gave the Trainer (``precision="bf16-mixed"``)
-    and otherwise chooses; an explicit mode is checked against the cluster.
+    As in Lightning, the Trainer's flag decides (``requested=None``, the default; Lightning's default is
+    ``"32-true"``). ``requested="auto"`` chooses for the whole cluster (bf16 where every GPU type has it,
+    else fp16 with loss scaling); a mode named here or on the Trainer is checked against every GPU type
+    and never silently changed; the two may not disagree.
     """
     if isinstance(lightning_plugin, ZorsePrecision):
-        mode = next(m for m, dtype in _AUTOCAST_DTYPE.items() if dtype == lightning_plugin.autocast_dtype)
-        return lightning_plugin, PrecisionChoice(mode, "given as a plugin")
-    if requested == "auto" and isinstance(lightning_plugin, MixedPrecision):
-        requested = lightning_plugin.precision
-    if requested == "auto":
-        choice = choose_precision(gpu_types, device_type)
+        return lightning_plugin, PrecisionChoice(lightning_plugin.mode, "given as a plugin")
+    trainer_mode = _trainer_mode(lightning_plugin)
+    if requested is None:
+        mode = trainer_mode or PrecisionMode.FP32
+        choice = PrecisionChoice(mode, "the Trainer's precision")
     else:
-        try:
-            mode = PrecisionMode(requested)
-        except ValueError:
+        if requested == "auto":
+            choice = choose_precision(gpu_types, device_type)
+        else:
+            try:
+                choice = PrecisionChoice(PrecisionMode(requested), "asked for")
+            except ValueError:
+                raise ZorseUserError(
+                    f"ZorseStrategy(precision={requested!r}) is not supported; use None (the Trainer's precision, "
+                    f"the default), 'auto' or one of {', '.join(repr(m.value) for m in PrecisionMode)}"
+                ) from None
+        if trainer_mode is not None and trainer_mode is not choice.mode:
             raise ZorseUserError(
-                f"precision={requested!r} is not supported by zorse; use 'auto', "
-                f"{', '.join(repr(m.value) for m in PrecisionMode)}"
-            ) from None
-        check_requested(mode, gpu_types, device_type)
-        choice = PrecisionChoice(mode, "asked for")
+                f"precision given twice: Trainer(precision={trainer_mode.value!r}) and "
+                f"ZorseStrategy(precision={requested!r}) ({choice.mode.value}); give it in one place"
+            )
+    check_requested(choice.mode, gpu_types, device_type)
     return ZorsePrecision.for_mode(choice.mode, device_type), choice

@@ -40,9 +40,13 @@ class ProcessStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        device = self.parallel_devices[min(self.local_rank, len(self.parallel_devices) - 1)]
-        if device.type != "cuda":
-            return device
+        """The device Lightning gave this local rank (``Trainer(devices=[1])``: ``cuda:1``); a process that
+        sees only its own GPU (one Lightning device per process under torchrun or srun) takes the one it sees."""
+        devices = self.parallel_devices
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if devices[0].type != "cuda":
+            return devices[0]
         return torch.device("cuda", cuda_index_for(self.local_rank, torch.cuda.device_count()))
 
     @property

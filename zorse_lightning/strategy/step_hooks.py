@@ -42,6 +42,7 @@ class StepHooks(CheckpointHooks):
     _log_mergers: dict[str, LogMerger]
     _training_prepared: bool
     _clip_patched: bool
+    _host_group: Any
 
     def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
         method = getattr(self.lightning_module, hook)
@@ -71,7 +72,7 @@ class StepHooks(CheckpointHooks):
         capture = LogCapture(self.plan.microbatch_size)
         with capturing_logs(self.lightning_module, capture):
             result = run(self._microbatch_step(hook, batch_idx, *rest))
-        merger = self._log_mergers.setdefault(hook, LogMerger(self.root_device))
+        merger = self._log_mergers.setdefault(hook, LogMerger(self.root_device, self._host_group))
         replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
         return result
 
@@ -86,16 +87,22 @@ class StepHooks(CheckpointHooks):
             return output
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         scale = self.precision_plugin.loss_scale_value / accumulate
-        earlier = GradientStash.take(self.engine.local_parameters())
-        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then.
+        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then. Without
+        # accumulation Lightning zeroes the last step's gradients in this step anyway: they are let go here (they
+        # may be views into the reduction's buffer, which this run refills).
         overlap = accumulate == 1
+        earlier = GradientStash.take(self.engine.local_parameters()) if not overlap else None
+        if overlap:
+            for param in self.engine.local_parameters():
+                param.grad = None
         with self.precision_plugin.train_step_context():
             loss = self._captured(
                 lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
             )
         self._step_done(batch_idx)
         self._stashed = GradientStash.take(self.engine.local_parameters())
-        earlier.put_back()
+        if earlier is not None:
+            earlier.put_back()
         return loss
 
     def _step_done(self, batch_idx: int) -> None:
@@ -148,6 +155,9 @@ class StepHooks(CheckpointHooks):
             result = closure()
             if self._manual is None:  # manual_backward reduced its gradients already
                 self.engine.reduce_gradients()
+            # The step changes the weights: a survivor snapshot's copy still reading them (it overlapped this
+            # step's forward and backward) finishes first, a wait on the device, not the host.
+            self._keeper.before_optimizer_step()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)

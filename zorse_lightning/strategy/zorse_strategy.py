@@ -56,7 +56,7 @@ from zorse_lightning.strategy.checkpoint_hooks import ResumeState
 from zorse_lightning.strategy.step_hooks import StepHooks
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 from zorse_lightning.strategy.gradient_stash import GradientStash
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SnapshotEachStep, SurvivorKeeper
+from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SurvivorKeeper, SurvivorSnapshots
 from zorse_lightning.strategy.log_capture import LogMerger, quiet_merged_metric_advice
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.strategy.plan_checks import check_plan_against, check_schedule, resolve_plan, with_schedule
@@ -68,7 +68,7 @@ from zorse_lightning.strategy.validation import check_plan_for_module
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
-PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed"]
+PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
 
 
 class ZorseStrategy(StepHooks):
@@ -92,8 +92,9 @@ class ZorseStrategy(StepHooks):
             ``self.model``); None: detected.
         seed: of the sampler's shuffling (the order of global batches, whatever the plan), and of the initial
             values of a module built on the meta device (``configure_model``, ``init_module(empty_init=True)``).
-        precision: ``"auto"`` (bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU) or one
-            of Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        precision: None: the Trainer's (``Trainer(precision=...)``, as for any Lightning strategy); ``"auto"``:
+            chosen for the cluster (bf16 where every GPU type has it, else fp16 with loss scaling, fp32 on CPU);
+            or one of Lightning's modes (``"bf16-mixed"``, ``"32-true"``, ...). Checked against every GPU type.
         emulate: CPU ranks emulate their GPU types (speed and memory); None: when the cluster is emulated.
         emulation_slowdown: how many times slower than this CPU the fastest emulated type runs (>= 1); raise it
             where many ranks share few cores and overrun their deadlines.
@@ -119,7 +120,7 @@ class ZorseStrategy(StepHooks):
         weights: WeightSource | Mapping[str, torch.Tensor] | str | Path | None = None,
         weights_prefix: str | None = None,
         seed: int = 0,
-        precision: PrecisionName = "auto",
+        precision: PrecisionName | None = None,
         emulate: bool | None = None,
         emulation_slowdown: float = DEFAULT_FASTEST_SLOWDOWN,
         faults: FaultPolicy = FaultPolicy(),
@@ -166,6 +167,8 @@ class ZorseStrategy(StepHooks):
         self._rank_emu: RankEmulation | None = None
         self._clip_patched = False
         self._log_mergers: dict[str, LogMerger] = {}
+        self._host_group = None
+        """A gloo group over all ranks for host tensors (the default one where it is gloo); None on one rank."""
         """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
         self._stashed = GradientStash()
         """The schedule's gradients of the last ``training_step``, put back in ``backward``."""
@@ -232,11 +235,16 @@ class ZorseStrategy(StepHooks):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._patch_clipping()
-        if self._recovery.enabled and not any(isinstance(c, SnapshotEachStep) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, SnapshotEachStep(self._snapshot_for_recovery))
+        # A world of one rank keeps no survivor state: no survivor can exist.
+        if self._recovery.enabled and self.world_size > 1 and not any(
+            isinstance(c, SurvivorSnapshots) for c in trainer.callbacks
+        ):
+            trainer.callbacks.insert(0, SurvivorSnapshots(self._snapshot_for_recovery, self._keeper, self._recovery))
         if self._engine is None:
-            if not has_meta_tensors(self.lightning_module):  # a meta-built module gets its values per stage
-                broadcast_module(self.lightning_module, host_group())
+            if self.world_size > 1:
+                self._host_group = host_group()
+            if self.world_size > 1 and not has_meta_tensors(self.lightning_module):  # meta: values per stage
+                broadcast_module(self.lightning_module, self._host_group)
             if self._plan_source is not None:
                 plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
                 check_schedule(plan, self._planner_options)
@@ -248,7 +256,7 @@ class ZorseStrategy(StepHooks):
             gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
         else:
             gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, self.accelerator.describe_rank(self.global_rank, self.local_rank).gpu_type)
+            dist.all_gather_object(gathered, self.accelerator.describe_rank(self.global_rank, self.local_rank, self.root_device).gpu_type)
             gpu_types = [t for t in gathered if t is not None]
         plugin, self._precision_choice = resolve_precision(
             self._precision, self.precision_plugin, gpu_types, self.root_device.type
@@ -272,10 +280,11 @@ class ZorseStrategy(StepHooks):
         )
         self._engine = PipelineEngine(
             self.lightning_module, groups, self.root_device, self.block_path,
-            initial=self._initial_values(),
+            initial=self._initial_values(), host_group=self._host_group,
         )
+        self.precision_plugin.cache_weights = groups.is_idle or not groups.stage.gather_per_microbatch
         if not self.lightning_module.automatic_optimization:
-            self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin)
+            self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin, self._host_group)
 
     def _initial_values(self) -> InitialValues:
         """A resumed checkpoint's weights (names as the module's own), else the pretrained ``weights`` given."""
