@@ -125,3 +125,8 @@ def test_the_factory_takes_the_strategy_optimizers_class_and_settings():
     made = user_optimizer(module)([nn.Parameter(torch.zeros(2))])
     assert type(made) is torch.optim.SGD
     assert made.param_groups[0]["lr"] == 0.25 and made.param_groups[0]["momentum"] == 0.5
+    adamw = torch.optim.AdamW(params, lr=0.01, weight_decay=0.3, betas=(0.8, 0.9))
+    module.trainer.strategy.optimizers = [adamw]
+    made = user_optimizer(module)([nn.Parameter(torch.zeros(2))])
+    assert type(made) is torch.optim.AdamW and made.param_groups[0]["weight_decay"] == 0.3
+    assert made.param_groups[0]["betas"] == (0.8, 0.9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Any
 
@@ -53,7 +54,8 @@ def user_optimizer(module: Any) -> OptimizerFactory | None:
         return None
     optimizer = optimizers[0]
     group = optimizer.param_groups[0]
-    settings = {key: group[key] for key in optimizer.defaults if key in group and key != "params"}
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold a key its constructor refuses
+    settings = {key: group[key] for key in optimizer.defaults if key in group and key in accepted and key != "params"}
     return lambda parameters: type(optimizer)(parameters, **settings)
 
 
