@@ -181,6 +181,9 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
 
     if run.threads:
         torch.set_num_threads(run.threads)
+        # Lightning's launcher for process-group strategies sets torch's threads to the cores per process unless
+        # OMP_NUM_THREADS is set, which a single-device run never does: both strategies keep the same threads.
+        os.environ["OMP_NUM_THREADS"] = str(run.threads)
     accelerator = "cpu" if run.cpu else "gpu"
     device_type = "cpu" if run.cpu else "cuda"
     if device_type == "cuda":
