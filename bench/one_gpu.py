@@ -127,6 +127,9 @@ class Run:
     seed: int = 0
     threads: int = 0
     """torch threads on CPU (0: torch's default)."""
+    same_start: bool = False
+    """Both strategies from the same weights (built on the host from ``seed``), and the trained weights kept:
+    for comparing parameters, not timing start-up."""
 
 
 # -- one run (child process) ---------------------------------------------------------------
@@ -203,9 +206,11 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
         num_sanity_val_steps=0, callbacks=[timer], default_root_dir=root,
     )
     torch.manual_seed(run.seed)
-    # Plain: built on its device, initialised there. Zorse: on the meta device, materialized per stage.
-    with trainer.init_module(empty_init=run.strategy == "zorse"):
+    if run.same_start:  # on the host, the same values for both strategies
         module = _module(size)
+    else:  # Plain: built on its device, initialised there. Zorse: on the meta device, materialized per stage.
+        with trainer.init_module(empty_init=run.strategy == "zorse"):
+            module = _module(size)
     tokens = torch.randint(0, size.vocab, (size.batch * total, size.seq_len + 1),
                            generator=torch.Generator().manual_seed(run.seed))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size.batch)
@@ -225,6 +230,8 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device_type == "cuda" else None,
         "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
     }
+    if run.same_start:
+        result["parameters"] = _parameter_sample(module)
     if run.strategy == "zorse":
         plan = trainer.strategy.plan
         predicted = plan.predicted
@@ -237,6 +244,38 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
             "notes": list(plan.notes),
         }
     return result
+
+
+PARAMETER_SAMPLE = 4096
+"""Elements kept of each trained weight (its first ones) to compare the two strategies' parameters."""
+
+
+def _parameter_sample(module) -> dict[str, list[float]]:
+    return {name: p.detach().float().flatten()[:PARAMETER_SAMPLE].cpu().tolist() for name, p in module.named_parameters()}
+
+
+def parameters_line(args: argparse.Namespace, models: dict[str, ModelSize]) -> dict[str, Any]:
+    """Plain and zorse trained from the same weights on the same batches in fp32: how far apart they end."""
+    name, steps = "gpt_86m", args.compare_steps
+    size = models[name]
+    runs = {
+        strategy: run_in_process(Run(strategy, size, "32-true", 1, steps - 1, cpu=args.tiny, threads=1 if args.tiny else 0,
+                                     same_start=True), args.timeout, args.verbose)
+        for strategy in ("plain", "zorse")
+    }
+    line: dict[str, Any] = {"case": "parameters_after_steps", "model": name, "precision": "32-true", "steps": steps}
+    errors = [r["error"] for r in runs.values() if "error" in r]
+    if errors:
+        line["error"] = "\n".join(errors)
+        return line
+    plain, zorse = runs["plain"]["parameters"], runs["zorse"]["parameters"]
+    differences = [abs(a - b) for n in plain for a, b in zip(plain[n], zorse[n])]
+    scale = max(abs(a) for n in plain for a in plain[n])
+    line.update(
+        max_abs_diff=max(differences), mean_abs_diff=statistics.fmean(differences), max_abs_weight=scale,
+        compared=len(differences), same_names=sorted(plain) == sorted(zorse),
+    )
+    return line
 
 
 def _child(run: Run, out: str, log: str, environment: dict[str, str]) -> None:
@@ -379,6 +418,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-warmup", type=int, default=10)
     parser.add_argument("--no-host-overhead", action="store_true", help="--tiny: skip the host-overhead line")
     parser.add_argument("--host-overhead-only", action="store_true", help="--tiny: only the host-overhead line")
+    parser.add_argument("--compare-steps", type=int, default=40,
+                        help="fp32 steps of the parameter comparison (same start, GPT 86M; 0: skip it)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run (process) before it is killed")
     parser.add_argument("--verbose", action="store_true", help="pass each run's output through to stderr")
     args = parser.parse_args(argv)
@@ -412,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
             for strategy in ("plain", "zorse")
         }
         line = case_line(name, precision, size, results["plain"], results["zorse"], args.tiny)
+        failed |= "error" in line
+        print(json.dumps(line), flush=True)
+    if args.compare_steps and not args.host_overhead_only:
+        print("parameters:", file=sys.stderr, flush=True)
+        line = parameters_line(args, models)
         failed |= "error" in line
         print(json.dumps(line), flush=True)
     if args.tiny and not args.no_host_overhead:

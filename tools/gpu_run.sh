@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEPS=$ROOT/.gpu_deps
-CARRIED=(hydra omegaconf antlr4 pulp rich markdown_it mdurl pygments)
+CARRIED=(hydra omegaconf antlr4 pulp rich markdown_it mdurl pygments pytest _pytest pluggy iniconfig py.py)
 
 fill_deps() {
     local python=${PYTHON:-.venv/bin/python}
@@ -29,7 +29,7 @@ fill_deps() {
     mkdir -p "$DEPS"
     for package in "${CARRIED[@]}"; do
         cp -a "$site/$package" "$DEPS/"
-    done
+    done  # pytest and its own: for the tests that only a GPU runs (GPU_TESTS below)
     # pulp ships CBC for every platform: keep the Linux x86-64 binary only.
     find "$DEPS/pulp/solverdir/cbc" -mindepth 1 -maxdepth 1 ! -name linux -exec rm -rf {} +
     find "$DEPS/pulp/solverdir/cbc/linux" -mindepth 1 -maxdepth 1 ! -name i64 -exec rm -rf {} +
@@ -104,5 +104,7 @@ except ImportError:
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 import zorse_lightning.strategy.zorse_strategy  # fails here, not in every run, when a dependency is missing
 EOF
+echo "== tests that need a GPU: ${GPU_TESTS:=tests/strategy/test_keep_from_host_copies.py}"
+"$PYTHON" -m pytest -q -p no:cacheprovider -k gpu $GPU_TESTS || echo "(GPU tests failed: see above)"
 echo "== bench.one_gpu $*"
 timeout "${BENCH_TIMEOUT_S:-540}" "$PYTHON" -m bench.one_gpu "$@"

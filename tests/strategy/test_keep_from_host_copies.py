@@ -238,6 +238,8 @@ def test_on_a_gpu_keep_finishes_while_the_stream_is_blocked(tmp_path):
     keeper = SurvivorKeeper()  # decides by itself: the state lives on the GPU
     keeper.snapshot(1, {"global_step": 1}, module, [optimizer])
     expected = _held_now(module, optimizer)
+    torch.cuda.synchronize()  # the copy ran on its side stream; it counts once complete
+    assert keeper.newest_step == 1 and keeper.last_copy_ms is not None
     assert all(t.is_pinned() for t in keeper._snapshot.host.leaves if isinstance(t, torch.Tensor))
 
     torch.cuda._sleep(20_000_000_000)  # some 10 s of clock cycles on the stream, before anything keep could queue
@@ -251,3 +253,28 @@ def test_on_a_gpu_keep_finishes_while_the_stream_is_blocked(tmp_path):
     assert kept and stream_was_busy
     loaded = _load(kept[0])
     _assert_same({"state_dict": loaded["state_dict"], "optimizers": loaded["optimizers"]}, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_copy_overlaps_and_the_next_optimizer_step_waits_for_it():
+    """Would catch a snapshot that makes the host wait for its copy, or an optimizer step that changes the weights
+    while the copy still reads them: the stream is kept busy, the snapshot returns at once, and what it holds
+    is the weights of its step although the step after it ran before the copy could."""
+    module, optimizer = _trained("cuda")
+    keeper = SurvivorKeeper()
+    expected = _held_now(module, optimizer)
+    torch.cuda._sleep(2_000_000_000)  # about a second of clock cycles queued before the copy
+    keeper.snapshot(1, {"global_step": 1}, module, [optimizer])
+    assert keeper.newest_step is None  # queued behind the sleep: not counted yet, and the host did not wait
+    keeper.before_optimizer_step()
+    _step(module, optimizer)  # queued on the compute stream after a wait on the copy
+    torch.cuda.synchronize()
+    assert keeper.newest_step == 1
+    kept = _load(keeper.keep(tmp_path_factory_dir(), 0, module, [optimizer]))
+    _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
+
+
+def tmp_path_factory_dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp())

@@ -52,9 +52,15 @@ def lives_off_host(tensors: list[torch.Tensor]) -> bool:
 
 
 def held_on_device(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """What ``held_module_state`` and ``held_optimizer_state`` copy, not copied."""
-    return {"state_dict": held_module_entries(module),
-            "optimizers": [held_optimizer_entries(o, module) for o in optimizers]}
+    """What ``held_module_state`` and ``held_optimizer_state`` copy, not copied, except buffers: cloned on the
+    device now. Parameters and optimizer state change only in the optimizer step, which waits for the copy;
+    buffers may change in the next forward (batch norm's running statistics), which does not."""
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    state = {
+        name: value.clone() if isinstance(value, torch.Tensor) and value.is_cuda and name not in parameters else value
+        for name, value in held_module_entries(module).items()
+    }
+    return {"state_dict": state, "optimizers": [held_optimizer_entries(o, module) for o in optimizers]}
 
 
 def _host_buffer(value: Any) -> torch.Tensor | None:
@@ -109,5 +115,6 @@ def copy_to_host(tree: dict[str, Any], spare: HostCopy | None, stream: Any = Non
         for buffer, value, device in zip(buffers, leaves, on_device):
             if device:
                 buffer.copy_(value.detach(), non_blocking=True)
+                value.record_stream(stream)  # its memory is not reused before the copy has read it
         end.record()
     return HostCopy(spec, copied), CopyDone(start, end)
