@@ -31,7 +31,9 @@ synchronises the device at the start and at the end of every training batch;
 a step's time is the interval between the ends of consecutive batches (all the
 step's work, the strategy's after-step work included); the figure is the
 median over ``--steps`` steps after ``--warmup``. Measured peak memory is
-``torch.cuda.max_memory_allocated`` over the whole run (reset at its start);
+``torch.cuda.max_memory_allocated`` over the timed steps (reset at the first,
+so start-up's probes are not in it: the plan predicts training's peak);
+``warmup_peak_gib`` is zorse's peak before that, start-up included;
 the predicted figures are the start-up plan's (``ZorseStrategy.plan.predicted``:
 iteration time and rank 0's peak), ``microbatch_size`` the plan's.
 
@@ -152,21 +154,28 @@ def _module(size: ModelSize):
     raise ValueError(f"unknown model kind {size.kind!r}")
 
 
-def _timer(device_type: str):
+def _timer(device_type: str, warmup: int):
     import lightning.pytorch as pl
     import torch
 
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    cuda = device_type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     class SyncedStepTimer(pl.Callback):
-        """Synchronises the device at the start and end of each training batch and records both times."""
+        """Synchronises the device at the start and end of each training batch and records both times; at the
+        first timed batch, keeps the run's peak memory so far (start-up's included) and starts the training
+        peak anew."""
 
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.ends: list[float] = []
+            self.startup_peak_bytes: int | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             sync()
+            if cuda and len(self.starts) == warmup:
+                self.startup_peak_bytes = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             self.starts.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -197,7 +206,7 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
         strategy: Any = ZorseStrategy(cluster=CPU_ONE, emulate=False) if run.cpu else ZorseStrategy()
     else:
         strategy = "auto"
-    timer = _timer(device_type)
+    timer = _timer(device_type, run.warmup)
     size = run.model
     total = run.warmup + run.steps
     trainer = pl.Trainer(
@@ -228,6 +237,7 @@ def run_once(run: Run, root: str) -> dict[str, Any]:
         "fit_s": fit_s,
         "samples_per_step": size.batch,
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device_type == "cuda" else None,
+        "warmup_peak_gib": timer.startup_peak_bytes / GIB if timer.startup_peak_bytes is not None else None,
         "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
     }
     if run.same_start:
@@ -364,6 +374,7 @@ def case_line(name: str, precision: str, size: ModelSize, plain: dict, zorse: di
         zorse_precision=next((n for n in plan.get("notes", ()) if n.startswith("precision")), None),
         plain_iteration_ms=_round(plain.get("median_step_ms")),
         plain_peak_gib=_round(plain.get("peak_gib")),
+        warmup_peak_gib=_round(zorse.get("warmup_peak_gib")),
         device=zorse.get("device") or plain.get("device"),
         sizes={"tiny": tiny, **asdict(size)},
     )
