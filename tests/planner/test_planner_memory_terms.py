@@ -14,6 +14,7 @@ from zorse_lightning.planner.memory import (
     optimizer_step_bytes,
     profile_state_bytes,
     stage_state_bytes,
+    transient_bytes,
 )
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile, OptimizerProfile
 
@@ -53,3 +54,10 @@ def test_the_optimizer_steps_temporaries_meet_the_activations_at_the_peak_not_be
     large_activations = RankMemory(100.0, 0.0, 9000.0, 10.0, step_bytes=4000.0)
     assert small_activations.total_bytes == pytest.approx(4110.0)
     assert large_activations.total_bytes == pytest.approx(9110.0)
+
+
+def test_what_a_running_microbatch_holds_counts_once_on_the_stages_with_the_edges():
+    profile = _profile(head=BlockShape("head", 500, 50, 0, 0.0, 40, transient_bytes_per_sample=1000,
+                                       transient_bytes_per_microbatch=10))
+    assert transient_bytes(profile, 4, first=False, last=True) == 4010.0
+    assert transient_bytes(profile, 4, first=True, last=False) == 0.0

@@ -210,6 +210,7 @@ def test_a_1024_gpu_cluster_plans() -> None:
     ctx = CostContext.build(inventory, profile)
     cost = plan_cost(ctx, plan)
     assert plan.predicted.iteration_ms == pytest.approx(simulate(ctx, plan).makespan_ms)
+    assert plan.predicted.closed_form_ms == pytest.approx(cost.iteration_ms)
     assert not memory_overruns(ctx, plan, cost)
     assert sum(len(s.ranks) for s in plan.stages) + len(plan.idle_ranks) == 1024
 

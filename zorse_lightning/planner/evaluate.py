@@ -40,6 +40,7 @@ from zorse_lightning.planner.memory import (
     optimizer_step_bytes,
     profile_state_bytes,
     stage_state_bytes,
+    transient_bytes,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
 from zorse_lightning.planner.schedule import Action, ActionKind, build_schedule
@@ -74,7 +75,7 @@ class CostContext:
         if key not in self._microbatch_times:
             self._microbatch_times[key] = stage_microbatch_times(
                 self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
-                action_ms=self.action_overhead_ms(gpu_type),
+                action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
             )
         return self._microbatch_times[key]
 
@@ -248,14 +249,20 @@ def stage_memory(
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
+        last_stage = len(plan.stages) - 1
+        running = max(
+            transient_bytes(ctx.profile, plan.microbatch_size, first=s == 0, last=s == last_stage)
+            for s in plan.stages_of_group(plan.group_of_stage(index))
+        )
         return tuple(
-            RankMemory(held, sharded * fraction, peak, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n))
+            RankMemory(held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n))
             for r, fraction, peak, n in zip(stage.ranks, fractions, peaks, stepped)
         )
     first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
     )
+    running = transient_bytes(ctx.profile, plan.microbatch_size, first=first, last=last)
     widths, schedule = tuple(len(s.ranks) for s in plan.stages), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
@@ -264,7 +271,7 @@ def stage_memory(
         if key not in alike:
             flight = microbatches_in_flight(schedule, widths, index, n)
             alike[key] = RankMemory(
-                held, sharded * fraction, per_microbatch * flight, key[2], optimizer_step_bytes(ctx.profile, updated)
+                held, sharded * fraction, per_microbatch * flight + running, key[2], optimizer_step_bytes(ctx.profile, updated)
             )
         out.append(alike[key])
     return tuple(out)

@@ -186,6 +186,13 @@ def activation_bytes_per_microbatch(
     return per_sample * microbatch_size + fixed
 
 
+def transient_bytes(profile: ModelProfile, microbatch_size: int, *, first: bool, last: bool) -> float:
+    """Bytes a rank holds only while one microbatch runs (on top of every microbatch in flight): the
+    edges' transients, the head's above all (its logits' gradients)."""
+    edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
+    return float(sum(b.transient_bytes_per_sample * microbatch_size + b.transient_bytes_per_microbatch for b in edges))
+
+
 def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
     """Forwards a rank of stage ``stage_index`` runs before its first backward under 1F1B.
 

@@ -126,9 +126,10 @@ def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[i
 
 def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
     """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds, the
-    engine's own time of the microbatch's two actions (forward and backward) counted in its time."""
+    engine's own time of the microbatch's two actions (forward and backward) counted in its time where the
+    host does not overlap the device (on CUDA it hides under the compute, as :func:`.compute.stage_microbatch_times` prices it)."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
-    time = 2 * ctx.action_overhead_ms(gpu_type)
+    time = 0.0 if device.host_overlaps_device else 2 * ctx.action_overhead_ms(gpu_type)
     params = act = 0.0
     if first:
         time += device.embedding.forward.at(microbatch_size) + device.embedding.backward.at(microbatch_size)

@@ -57,7 +57,7 @@ from zorse_lightning.planner.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
-from zorse_lightning.planner.interleave_choice import interleaved_if_faster
+from zorse_lightning.planner.interleave_choice import MOST_RECORDING_WORK, interleaved_if_faster
 from zorse_lightning.planner.simulate import with_simulated_prediction
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
@@ -146,8 +146,24 @@ def make_plan(
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
     best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave)
     notes = (*notes, *(note for note in (idle_note, interleave_note) if note))
-    best = with_simulated_prediction(ctx, best)
+    best, simulation_note = _simulated_where_recordable(ctx, best)
+    notes = (*notes, *([simulation_note] if simulation_note else []))
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
+
+
+def _simulated_where_recordable(ctx: CostContext, plan: Plan) -> tuple[Plan, str | None]:
+    """``plan`` predicted by the simulation of the engine's programs (what runs), where recording them
+    fits in planning time (:data:`.interleave_choice.MOST_RECORDING_WORK`); else by the closed form, with a
+    note saying so (1024 GPUs of ``bench/plan_scaling.py``: 11 s more at 2048 microbatches)."""
+    working = sum(len(group.ranks) for group in plan.rank_groups)
+    work = 2 * plan.interleave * plan.num_microbatches * working
+    if work > MOST_RECORDING_WORK:
+        return plan, (
+            f"predicted by the cost model's closed form: simulating the engine's programs ({plan.num_microbatches} "
+            f"microbatches on {working} GPUs, 2 V M R = {work:,} > {MOST_RECORDING_WORK:,}) would take longer than "
+            f"planning may"
+        )
+    return with_simulated_prediction(ctx, plan), None
 
 
 def _uses(layout: Layout, world_size: int) -> bool:

@@ -87,6 +87,10 @@ class BlockShape:
     activation_bytes_per_microbatch: int = 0
     """Bytes saved for backward per microbatch whatever its size (the intercept of the measured line):
     under autocast, the low-precision copies of the weights that the block's matrix products keep."""
+    transient_bytes_per_sample: int = 0
+    """Bytes held only while a microbatch runs, beyond those saved (the head's: its logits' gradients, a
+    loss's upcast copies), once per rank whatever the microbatches in flight; measured on CUDA at start-up."""
+    transient_bytes_per_microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,10 @@ class DeviceTimes:
     """The engine's own time per action (one microbatch's forward or backward on a stage) beyond the
     blocks' compute, measured at start-up on this type's device; None: not measured (reference and
     estimated profiles), priced as nothing."""
+    host_overlaps_device: bool = False
+    """True where the device computes asynchronously from the host (CUDA): the engine's host time per
+    action then hides under the device's compute, and an action takes the longer of the two, not the sum
+    (on one H100, summed, the 168M Llama's step was predicted 23 % long)."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_ms_per_million_parameters", "action_overhead_ms"):

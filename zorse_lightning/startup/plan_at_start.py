@@ -230,20 +230,22 @@ def _common_sizes(
 
 
 def _profile_of(
-    measured: list[TypeProfile], edges: tuple[int, int, bool], overheads: dict[str, float], model: str,
-    output_bytes: int, weight_dtype: str,
+    measured: list[TypeProfile], edges: tuple[int, int, bool], overheads: dict[str, float],
+    asynchronous: dict[str, bool], model: str, output_bytes: int, weight_dtype: str,
 ) -> ModelProfile:
-    """One profile from every type's measurement, with the edges' shapes and each type's time per action."""
+    """One profile from every type's measurement, with the edges' shapes and each type's time per action
+    (hidden under the compute where the device runs asynchronously from the host)."""
     embedding_parameters, head_parameters, tied = edges
     profile = assemble_profile([m.blocks for m in measured], model=model, tied_embedding_head=tied)
     first = measured[0]
     devices = {
-        name: replace(times, action_overhead_ms=overheads[name]) for name, times in profile.devices.items()
+        name: replace(times, action_overhead_ms=overheads[name], host_overlaps_device=asynchronous[name])
+        for name, times in profile.devices.items()
     }
     return replace(
         profile,
         embedding=edge_shape("embedding", embedding_parameters, first.embedding_activation_bytes, output_bytes),
-        head=edge_shape("head", head_parameters, first.head_activation_bytes, 0),
+        head=edge_shape("head", head_parameters, first.head_activation_bytes, 0, first.transient_bytes),
         devices=devices,
         weight_dtype=weight_dtype,
         optimizer=first.optimizer,
@@ -302,7 +304,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
             )
         edges = _edge_parameters(inputs.module, blocks, one_sample) if inputs.rank == 0 else None
     measured: list[Any] = [None] * inputs.world_size
-    dist.all_gather_object(measured, (mine, gpu_type, overhead_ms))
+    dist.all_gather_object(measured, (mine, gpu_type, overhead_ms, inputs.device.type == "cuda"))
     probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module))
     if inputs.rank != 0:
         box: list[Any] = [None]
@@ -311,12 +313,14 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
             raise box[0]
         return StartupResult(box[0], costs)
     overheads: dict[str, float] = {}
-    for _, type_name, ms in measured:  # the slowest rank of a type: its stage waits for it
+    asynchronous: dict[str, bool] = {}
+    for _, type_name, ms, cuda in measured:  # the slowest rank of a type: its stage waits for it
         overheads[type_name] = max(overheads.get(type_name, 0.0), ms)
-    types = [m for m, _, _ in measured if m is not None]
+        asynchronous[type_name] = cuda
+    types = [m for m, _, _, _ in measured if m is not None]
     profile = _profile_of(
-        types, edges, overheads, type(inputs.module).__name__, example.numel() * example.element_size() // example.shape[0],
-        weights,
+        types, edges, overheads, asynchronous, type(inputs.module).__name__,
+        example.numel() * example.element_size() // example.shape[0], weights,
     )
     planned_on = with_measured_rates(inventory, probes)
     common, why_not = _common_sizes(types, inventory, samples)

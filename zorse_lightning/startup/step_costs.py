@@ -43,6 +43,9 @@ class StepEdges:
     """(per sample, per microbatch) saved for backward before the first block."""
     head_activation_bytes: tuple[int, int]
     """(per sample, per microbatch) saved for backward after the last block (head, loss)."""
+    transient_bytes: tuple[int, int]
+    """(per sample, per microbatch) the step holds at its peak beyond what it saves for backward (the
+    gradients of a large head's logits, a loss's upcast copies): measured by the CUDA allocator; 0 elsewhere."""
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -128,6 +131,7 @@ def measure_step_edges(
     after: list[list[float]] = []
     saved: list[tuple[int, int]] = []
     measured: list[int] = []
+    transient: list[int] = []
     kept_grads: dict[int, tuple[torch.nn.Parameter, Any]] = {}
 
     def run(marks: PhaseMarks) -> None:
@@ -150,6 +154,7 @@ def measure_step_edges(
                     loss_of(step(micro))
                 saved.append((phase.saved[0], phase.saved[2]))
                 ms = time_phases(run, device, 6, timing)
+                transient.append(_transient_bytes(run, device, sum(phase.saved)))
             except out_of_memory_errors():
                 if not measured:
                     raise
@@ -169,7 +174,22 @@ def measure_step_edges(
         tuple(measured),
         _line(measured, [s[0] for s in saved]),
         _line(measured, [s[1] for s in saved]),
+        _line(measured, transient[: len(measured)]),
     )
+
+
+def _transient_bytes(run: Callable[[PhaseMarks], None], device: torch.device, saved_bytes: int) -> int:
+    """Peak bytes one step (forward and backward) allocates beyond those it saves for backward, on CUDA;
+    0 elsewhere (no allocator to ask). The gradients it accumulates are already there (the timed runs
+    made them), so what is left is what the step holds only while it runs."""
+    if device.type != "cuda":
+        return 0
+    synchronize(device)
+    held = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run(PhaseMarks(device))
+    synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - held - saved_bytes)
 
 
 def _line(sizes: Sequence[int], saved: Sequence[int]) -> tuple[int, int]:

@@ -58,6 +58,8 @@ class TypeProfile:
     embedding_activation_bytes: tuple[int, int]
     """(per sample, per microbatch) the step saves for backward before the first block."""
     head_activation_bytes: tuple[int, int]
+    transient_bytes: tuple[int, int]
+    """(per sample, per microbatch) a step holds at its peak beyond what it saves (CUDA only)."""
     optimizer: OptimizerProfile | None
     """The user's optimizer as measured (None: the module has none at start-up)."""
 
@@ -141,7 +143,7 @@ def measure_type_profile(
     refused = next((b for b in asked if b not in sizes), None)
     return TypeProfile(
         _as_every_block(replace(measured, times=times), len(blocks)), sizes, refused,
-        edges.embedding_activation_bytes, edges.head_activation_bytes, optimizer_profile,
+        edges.embedding_activation_bytes, edges.head_activation_bytes, edges.transient_bytes, optimizer_profile,
     )
 
 
@@ -159,6 +161,9 @@ def _restricted(measured: MeasuredBlocks, sizes: tuple[int, ...]) -> MeasuredBlo
     return replace(measured, times=times)
 
 
-def edge_shape(name: str, parameters: int, activation: tuple[int, int], output_bytes_per_sample: int) -> BlockShape:
-    """An edge's shape (embedding or head) with what it saves for backward."""
-    return BlockShape(name, parameters, activation[0], output_bytes_per_sample, 0.0, activation[1])
+def edge_shape(
+    name: str, parameters: int, activation: tuple[int, int], output_bytes_per_sample: int,
+    transient: tuple[int, int] = (0, 0),
+) -> BlockShape:
+    """An edge's shape (embedding or head) with what it saves for backward and holds while it runs."""
+    return BlockShape(name, parameters, activation[0], output_bytes_per_sample, 0.0, activation[1], *transient)
