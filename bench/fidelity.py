@@ -30,7 +30,11 @@ trains that plan; its emulation charges the wide model's CPU costs, calibrated
 at its start, so what the scaling gets wrong about this CPU is a prediction
 error. The entry also gives the same plan priced on the wide model's own
 profile (``predicted_on_run_profile_ms``), which separates the scaling's error
-from the rest of the model's.
+from the rest of the model's; ``predicted_parts`` (pipeline, sync, update) of
+both prices, ``layer_forward_ms`` (a layer's forward at the plan's microbatch
+size, scaled and measured at the run width), ``rank0_emulated_compute_ms_per_step``
+(what the run's emulation charged rank 0: compare with the pipeline) and
+``emulation_overrun_s_per_rank`` (over the whole run) say where a miss comes from.
 
 Measured times are not adjusted: a miss is a cost-model error to fix there.
 The last line printed is one JSON object: ``{"plans": [{"cluster",
