@@ -2,12 +2,16 @@
 
 The caller (the engine, on each rank) finds the model's block list and passes
 it here with one example sample. Each block is timed on the output of the
-block before it, at microbatch sizes 1..n (warm-up runs, then the median of
-the repeats), forward and backward separately, and a line is fitted through
-the medians. Sizes come from the real module: parameters counted, activation
-bytes from the tensors autograd saves for backward (``saved_tensors_hooks``;
-parameters excluded, each storage counted once), output bytes from the output,
-FLOPs from ``torch.utils.flop_counter``.
+block before it, at each microbatch size asked for up to the first that does
+not fit (the one harness of :mod:`.timing`: CUDA events on a GPU, warm-up
+until the time settles, the median of back-to-back repeats), forward and
+backward separately, every forward inside the precision plugin's forward
+context (autocast: the precision that trains); the measured points are kept
+and a line is fitted through them. Sizes come from the real module: parameters
+counted, activation bytes from the tensors autograd saves for backward
+(``saved_tensors_hooks``; parameters excluded, each storage counted once) as a
+line with its intercept (autocast's weight copies, once per microbatch),
+output bytes from the output, FLOPs from ``torch.utils.flop_counter``.
 
 Choice for the parts outside the block list: ``before`` (e.g. the embedding)
 and ``after`` (e.g. the head and loss) are optional modules; when given they

@@ -217,9 +217,7 @@ def _first_of_its_type(inventory: ClusterInventory, rank: int) -> bool:
     return next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) == rank
 
 
-def _common_sizes(
-    measured: list[TypeProfile], inventory: ClusterInventory, samples: int
-) -> tuple[tuple[int, ...], str]:
+def _common_sizes(measured: list[TypeProfile], samples: int) -> tuple[tuple[int, ...], str]:
     """The sizes every type measured, and why larger ones were not (for the plan's notes)."""
     common = sorted(set.intersection(*(set(m.sizes) for m in measured)))
     reasons = [f"{samples} samples per rank in the first batch"]
@@ -323,7 +321,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         example.numel() * example.element_size() // example.shape[0], weights,
     )
     planned_on = with_measured_rates(inventory, probes)
-    common, why_not = _common_sizes(types, inventory, samples)
+    common, why_not = _common_sizes(types, samples)
     try:
         options, size_note = within_profiled_sizes(options, common, why_not)
         plan = make_plan(planned_on, profile, inputs.global_batch_size, options)

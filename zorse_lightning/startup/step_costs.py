@@ -276,7 +276,10 @@ def measure_action_overhead_ms(
     An action of the engine calls the user's step for one microbatch of one
     stage, whose blocks outside the stage pass their input on; on a GPU what
     the host spends there is time the device waits for it once kernels are
-    short, and on emulated ranks it is what the deadlines cannot absorb.
+    short, and on emulated ranks it is what the deadlines cannot absorb. Host
+    time, not device time, so this is the one reading outside the harness of
+    :mod:`zorse_lightning.profiling.timing` (whose CUDA events read the device):
+    every rank runs it at once, the same count of runs, as they will run.
     """
     patched = [b for b in blocks.blocks if "forward" not in b.__dict__]
     for block in patched:

@@ -31,12 +31,7 @@ from zorse_lightning.module.microbatch import samples_in
 from zorse_lightning.profiling.measure import Call, ForwardContext, MeasureOptions, MeasuredBlocks, measure_block_calls
 from zorse_lightning.profiling.profile import BlockShape, OptimizerProfile
 from zorse_lightning.profiling.timing import TimingOptions
-from zorse_lightning.startup.step_costs import (
-    OptimizerFactory,
-    StepEdges,
-    measure_optimizer,
-    measure_step_edges,
-)
+from zorse_lightning.startup.step_costs import OptimizerFactory, measure_optimizer, measure_step_edges
 
 PROFILE_TIMING = TimingOptions(min_warmup=2, max_warmup=6, repeats=3)
 """Short: profiling runs at every start, at every microbatch size the batch allows."""
