@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, port: int, phase: str, out: Path, args: argpars
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.engine.faults import FaultPolicy
-    from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
+    from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from testing.launch import torchrun_variables

@@ -38,7 +38,8 @@ from testing.plans import hand_plan
 from testing.timing import StepTimer
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, SurvivorSnapshots
+from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy
+from zorse_lightning.strategy.snapshots import SurvivorSnapshots
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 
 WORLD_SIZE = 2

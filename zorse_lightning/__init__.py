@@ -15,7 +15,7 @@ from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.engine.faults import FaultPolicy
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
+from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy
 from zorse_lightning.strategy.registration import register_with_lightning
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 

@@ -12,7 +12,7 @@ from zorse_lightning.engine.block_gathering import EMPTY_ROUND, block_units, pad
 from zorse_lightning.engine.sharding import refill, free, settle, true_numel, true_shape
 from zorse_lightning.module.materialize import holds_values
 from zorse_lightning.planner.schedule import build_schedule
-from zorse_lightning.strategy.checkpoint_io import held_module_entries
+from zorse_lightning.engine.checkpoint.shards import held_module_entries
 
 
 def _kinds(program) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zorse_lightning.engine import checkpoint_files
-from zorse_lightning.engine.checkpoint_files import COMMON, CheckpointError, read_file, read_manifest, shard_name
+from zorse_lightning.engine.checkpoint import files as checkpoint_files
+from zorse_lightning.engine.checkpoint.files import COMMON, CheckpointError, read_file, read_manifest, shard_name
 
 
 def _alone(obj):
@@ -46,7 +46,7 @@ def test_process_killed_during_save_leaves_the_last_good_checkpoint(tmp_path):
     _save(path, 1.0)
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from zorse_lightning.engine import checkpoint_files
+        from zorse_lightning.engine.checkpoint import files as checkpoint_files
         kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
         checkpoint_files.write_checkpoint({str(path)!r}, 0, {{"weight": torch.zeros(64)}}, {{"step": 2.0}},
                                           {{"world_size": 1}}, lambda o: [o], before_publish=kill)

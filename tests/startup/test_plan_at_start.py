@@ -17,7 +17,7 @@ from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
 from zorse_lightning.startup.plan_at_start import block_calls, sizes_to_profile, within_profiled_sizes
-from zorse_lightning.strategy.start import quiet_training_step
+from zorse_lightning.strategy.trainer_inputs import quiet_training_step
 
 
 def test_start_up_profiles_every_size_the_batch_allows_and_the_whole_local_batch():

@@ -12,7 +12,7 @@ from torch import nn
 from zorse_lightning.module.blocks import find_block_list
 from zorse_lightning.profiling import timing
 from zorse_lightning.startup import step_costs
-from zorse_lightning.strategy.start import user_optimizer
+from zorse_lightning.strategy.trainer_inputs import user_optimizer
 
 
 class _Clock:

@@ -14,8 +14,8 @@ from testing.plans import hand_plan
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.detection import DeviceReport, check_detected_devices
 from zorse_lightning.errors import InventoryError, PlanningError
-from zorse_lightning.strategy.plan_checks import check_plan_against, resolve_plan
-from zorse_lightning.strategy.validation import check_plan_for_module
+from zorse_lightning.planner.plan_check import check_plan, resolve_plan
+from zorse_lightning.strategy.zorse_strategy import model_blocks
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.plan import Plan, Prediction
 
@@ -34,28 +34,28 @@ def _plan2(layers: int = 4) -> Plan:
 
 def test_plan_for_another_rank_count():
     with pytest.raises(PlanningError, match=r"plan is for 4 ranks but cluster 'cpu_sim2' has 2; re-plan"):
-        check_plan_against(_plan4(), load_cluster("cpu_sim2"))
+        check_plan(_plan4(), load_cluster("cpu_sim2"))
 
 
 def test_plan_for_other_gpu_types():
     with pytest.raises(PlanningError, match=r"stage 0 .* puts a a100x40 at rank 0, but cluster 'lab4_l4_a6000_p40' "
                                             r"has a l4 there; .*re-plan for this one"):
-        check_plan_against(_plan4(), load_cluster("lab4_l4_a6000_p40"))
+        check_plan(_plan4(), load_cluster("lab4_l4_a6000_p40"))
 
 
 @pytest.mark.parametrize("launched, word", [(2, "fewer"), (6, "more")])
 def test_more_or_fewer_processes_than_the_plan_has_ranks(launched, word):
     with pytest.raises(PlanningError, match=rf"plan is for 4 ranks but {launched} processes were launched \({word} "
                                             r"than the plan has\); launch 4"):
-        resolve_plan(_plan4(), None, launched)
+        resolve_plan(_plan4(), launched)
 
 
 def test_predicted_memory_beyond_a_gpu():
     # cpu_sim2's V100 (rank 1) has a 0.16 GiB budget; the plan predicts 0.3 GiB there.
     plan = replace(_plan2(), predicted=Prediction(1.0, 1.0, (0.1, 0.3), {}))
     with pytest.raises(PlanningError, match=r"predicts 0.30 GiB on rank 1, but that v100x16 has 0.16 GiB; re-plan"):
-        check_plan_against(plan, load_cluster("cpu_sim2"))
-    check_plan_against(replace(plan, predicted=Prediction(1.0, 1.0, (0.1, 0.15), {})), load_cluster("cpu_sim2"))
+        check_plan(plan, load_cluster("cpu_sim2"))
+    check_plan(replace(plan, predicted=Prediction(1.0, 1.0, (0.1, 0.15), {})), load_cluster("cpu_sim2"))
 
 
 def test_stage_state_beyond_a_gpu():
@@ -63,11 +63,11 @@ def test_stage_state_beyond_a_gpu():
     # gradients, two Adam moments) is 16 bytes each: 2 blocks = 0.147 GiB fit the V100's 0.16 GiB, 3 = 0.220 do not.
     model = GPT(vocab_size=16, seq_len=8, width=640, layers=4, heads=2)
     inventory = load_cluster("cpu_sim2")
-    check_plan_for_module(_plan2(), model, None, inventory)
+    check_plan(_plan2(), inventory, model_blocks(model, None))
     too_much = hand_plan([((0,), (4,), (0, 1)), ((1,), (4,), (1, 4))], inventory=inventory)
     with pytest.raises(PlanningError, match=r"stage 1 \(blocks 1-3\) needs at least 0.22 GiB .* rank 1, but that "
                                             r"v100x16 has 0.16 GiB; re-plan .*shard the optimizer state"):
-        check_plan_for_module(too_much, model, None, inventory)
+        check_plan(too_much, inventory, model_blocks(model, None))
 
 
 def test_plan_made_for_another_model():
@@ -75,7 +75,7 @@ def test_plan_made_for_another_model():
     model = GPT(vocab_size=16, seq_len=8, width=16, layers=4, heads=2)
     with pytest.raises(PlanningError, match=r"plan \(made for model 'llama_7b'\) splits 8 blocks, but GPT has 4; "
                                             r"it was made for another model: re-plan"):
-        check_plan_for_module(plan, model, None, None)
+        check_plan(plan, None, model_blocks(model, None))
 
 
 def test_inventory_disagrees_with_detected_devices():

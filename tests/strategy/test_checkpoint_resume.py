@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from testing.gpt_reference import GLOBAL_BATCH, Recorder, elastic_plans, gpt, tokens
 from torch.utils.data import DataLoader
 
-from zorse_lightning.engine.checkpoint_files import CheckpointError, shard_name
+from zorse_lightning.engine.checkpoint.files import CheckpointError, shard_name
 from zorse_lightning.apps.export_app import export_state_dict
 from zorse_lightning.module.materialize import holds_values
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy

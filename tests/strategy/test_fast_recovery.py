@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from zorse_lightning.strategy import fast_recovery
-from zorse_lightning.strategy.fast_recovery import KeptIndex, SurvivorKeeper, choose_step
+from zorse_lightning.engine.checkpoint import survivors as fast_recovery
+from zorse_lightning.engine.checkpoint.survivors import KeptIndex, SurvivorKeeper, choose_step
 from zorse_lightning.module.materialize import holds_values
 from testing.launch import free_port, torchrun_variables
 
@@ -37,7 +37,7 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.engine.faults import FaultPolicy
-    from zorse_lightning.strategy.fast_recovery import RecoveryPolicy
+    from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from testing.plans import hand_plan
 

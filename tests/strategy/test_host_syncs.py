@@ -80,8 +80,6 @@ class HostWaits(pl.Callback):
 
 
 def _fit(strategy: Any, tmp: Path, precision: str) -> dict[str, int]:
-    from zorse_lightning.strategy.zorse_strategy import ZorseStrategy  # noqa: F401  (registers the strategy)
-
     torch.manual_seed(0)
     waits = HostWaits()
     trainer = pl.Trainer(

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.engine.checkpoint_files import MANIFEST, shard_name
+from zorse_lightning.engine.checkpoint.files import MANIFEST, shard_name
 from zorse_lightning.apps.export_app import export_state_dict
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 from testing.gpt_reference import CLIP, GLOBAL_BATCH, Recorder, gpt, reference_training, tokens

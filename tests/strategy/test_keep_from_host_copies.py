@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from zorse_lightning.engine.groups import NCCL_ERROR_HANDLING, tear_down_hung_collectives
-from zorse_lightning.strategy import fast_recovery, host_copies
-from zorse_lightning.strategy.checkpoint_io import held_module_state, held_optimizer_state
-from zorse_lightning.strategy.fast_recovery import SurvivorKeeper
+from zorse_lightning.engine.checkpoint.host_copies import CopyDone
+from zorse_lightning.engine.checkpoint import survivors as fast_recovery
+from zorse_lightning.engine.checkpoint.shards import held_module_state, held_optimizer_state
+from zorse_lightning.engine.checkpoint.survivors import SurvivorKeeper
 
 
 def _trained(device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -151,7 +152,7 @@ def test_a_snapshot_cut_short_leaves_the_previous_step_whole(tmp_path, monkeypat
     expected = _held_now(module, optimizer)
     _step(module, optimizer)
 
-    monkeypatch.setattr(host_copies.CopyDone, "query", lambda self: False)  # the copies never complete
+    monkeypatch.setattr(CopyDone, "query", lambda self: False)  # the copies never complete
     assert keeper.snapshot(3, {"global_step": 3}, module, [optimizer]) is True  # queued, not yet counted
     _step(module, optimizer)
     assert keeper.snapshot(4, {"global_step": 4}, module, [optimizer]) is False  # step 3's copy still runs

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from zorse_lightning.errors import ZorseUserError
-from zorse_lightning.strategy import fast_recovery
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, SurvivorSnapshots, check_host_memory, snapshot_interval
+from zorse_lightning.strategy import snapshots
+from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, check_host_memory, snapshot_interval
+from zorse_lightning.strategy.snapshots import SurvivorSnapshots
 
 
 def test_the_interval_spreads_one_snapshot_over_enough_steps():
@@ -37,7 +38,7 @@ class _Keeper:
 
 def _run(policy: RecoveryPolicy, steps: int, step_ms: float, take_ms: float, copy_ms: float, monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(fast_recovery.time, "perf_counter", clock)
+    monkeypatch.setattr(snapshots.time, "perf_counter", clock)
     keeper = _Keeper(copy_ms)
     taken: list[int] = []
     trainer = SimpleNamespace(global_step=0)

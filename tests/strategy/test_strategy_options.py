@@ -13,7 +13,7 @@ from zorse_lightning import PlannerOptions, ZorseStrategy
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.strategy.plan_checks import check_schedule
+from zorse_lightning.planner.plan_check import check_schedule
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zorse_lightning  # noqa: F401  (registers the strategies)
 from zorse_lightning.strategy.log_capture import LogCapture, LoggedValue
-from zorse_lightning.strategy.checkpoint_hooks import ResumeState
+from zorse_lightning.strategy.run_state import ResumeState
 from zorse_lightning.strategy.sampler import PlanBatchSampler, SamplerState, plan_dataloader
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 

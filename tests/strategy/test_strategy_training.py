@@ -67,7 +67,7 @@ def _gpt_case(rank: int, tmp: Path) -> dict:
         "plan_stages": len(trainer.strategy.plan.stages),
     }
     if rank == 0:
-        from zorse_lightning.strategy.checkpoint_io import load
+        from zorse_lightning.engine.checkpoint.shards import load
 
         saved = load(checkpoint, 0, 1)
         result["checkpoint_diff"] = max((saved["state_dict"][n] - expected[n]).abs().max().item() for n in expected)

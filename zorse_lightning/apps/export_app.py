@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zorse_lightning.engine.checkpoint_files import CheckpointError
-from zorse_lightning.strategy.checkpoint_io import merged_state_dict, read_shards
+from zorse_lightning.engine.checkpoint.files import CheckpointError
+from zorse_lightning.engine.checkpoint.shards import merged_state_dict, read_shards
 
 
 def export_state_dict(checkpoint: str | Path, module: nn.Module | None = None) -> dict[str, torch.Tensor]:

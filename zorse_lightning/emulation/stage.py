@@ -1,7 +1,8 @@
 """Emulating a rank's GPU type for what the rank runs of the plan (its stage, not the whole model).
 
-Strategy-side: it joins the engine's cut (which blocks this rank holds, where a stage begins and ends)
-to the emulation layer's emulator (built by :class:`~zorse_lightning.emulation.rank.RankEmulation`)."""
+It joins the engine's cut (which blocks this rank holds, where a stage begins and ends: a
+``zorse_lightning.engine.cutting.StageCut``, read through its attributes, since this layer lies below
+the engine) to the emulator :class:`~zorse_lightning.emulation.rank.RankEmulation` builds."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from torch import nn
 from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
-from zorse_lightning.engine.cutting import StageCut, StageOutput
-from zorse_lightning.engine.executor import PipelineEngine
+from zorse_lightning.module.blocks import StageOutput
+
+StageCut = Any
+"""The engine's cut of the module for this rank (``engine.cutting.StageCut``), None without a pipeline."""
 
 
 class StageEmulation:
@@ -29,20 +32,20 @@ class StageEmulation:
 
     @classmethod
     def start(
-        cls, emulation: RankEmulation, costs: Mapping[str, CallCost] | None, module: nn.Module, engine: PipelineEngine,
+        cls, emulation: RankEmulation, costs: Mapping[str, CallCost] | None, module: nn.Module, cut: StageCut | None,
         optimizers: list[Any], microbatch_size: int,
     ) -> StageEmulation:
         """This rank's emulation of its stage, on ``costs`` (calibrated at start-up when the strategy planned, so
         the run and the profile behind its prediction use the same costs; else calibrated at first use)."""
-        named = named_emulated_modules(module, engine.cut.blocks.path if engine.cut is not None else None)
-        if engine.cut is not None:
-            named = _stage_modules(module, engine.cut, named)
+        named = named_emulated_modules(module, cut.blocks.path if cut is not None else None)
+        if cut is not None:
+            named = _stage_modules(module, cut, named)
         emulator = emulation.instrumented(module, costs, named=named)
         emulator.batch_samples = microbatch_size  # the engine calls the step per microbatch
         boundaries = None
-        if engine.cut is not None:
-            boundaries = _StageBoundaries(engine.cut)  # after instrument: its hooks run around the emulator's
-            emulator.uncharged = _stand_ins(module, engine.cut)
+        if cut is not None:
+            boundaries = _StageBoundaries(cut)  # after instrument: its hooks run around the emulator's
+            emulator.uncharged = _stand_ins(module, cut)
         emulator.track_memory(module, optimizers)
         emulator.check_memory()  # the stage as placed on the device, before its first step
         return cls(emulator, boundaries)

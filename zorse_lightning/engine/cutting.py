@@ -31,20 +31,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from zorse_lightning.module.blocks import BlockList
+from zorse_lightning.module.blocks import BlockList, StageOutput
 from zorse_lightning.module.cut_analysis import CutAnalysis
 from zorse_lightning.module.materialize import replace_parameters
 from zorse_lightning.planner.plan import Plan
 
 META = torch.device("meta")
-
-
-class StageOutput(Exception):
-    """Raised by the last local block of a non-last stage: the microbatch ends on this rank here."""
-
-    def __init__(self, output: torch.Tensor) -> None:
-        super().__init__("stage output (caught by the executor)")
-        self.output = output
 
 
 def _to_meta(value: Any) -> Any:

@@ -24,8 +24,8 @@ from torch import nn
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine import gradients
-from zorse_lightning.module.blocks import BlockList, CutError, find_block_list
-from zorse_lightning.engine.cutting import StageCut, StageOutput, checkpoint_forward, release_module
+from zorse_lightning.module.blocks import BlockList, CutError, StageOutput, find_block_list
+from zorse_lightning.engine.cutting import StageCut, checkpoint_forward, release_module
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport

@@ -23,7 +23,7 @@ rank ends by ``os._exit``. Under NCCL a collective
 that the dead peer never joins blocks the CUDA stream, and anything queued
 behind it (a device-to-host copy, a synchronize) would never return; so what
 runs on its verdict must not touch the device either (survivors write host
-copies taken at step end: :mod:`zorse_lightning.strategy.fast_recovery`).
+copies taken after optimizer steps: :mod:`zorse_lightning.engine.checkpoint.survivors`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,16 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.engine.checkpoint.shards import all_gather
+from zorse_lightning.planner.plan import Plan
 
 LOST_EXIT_STATUS = 75
 _COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "broken pipe", "timed out", "timeout", "socket", "peer")
@@ -177,3 +182,42 @@ class Watchdog:
 def _exit_with(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(LOST_EXIT_STATUS)
+
+
+def rank_describer(plan: Plan, inventory: ClusterInventory | None):
+    """``describe(rank)`` for messages: the rank, its stage, and its GPU and machine when known."""
+
+    def describe(rank: int) -> str:
+        if rank in plan.idle_ranks:
+            return f"rank {rank} (idle)"
+        stages = plan.stages_of_rank(rank)
+        label = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"  # interleaved
+        where = ""
+        if inventory is not None and rank < inventory.world_size:
+            gpu = inventory.gpus[rank]
+            where = f", {gpu.gpu_type.name} on {gpu.machine}"
+        return f"rank {rank} ({label}{where})"
+
+    return describe
+
+
+def start_watchdog(address: str, port: int, plan: Plan, inventory: ClusterInventory | None, rank: int,
+                   policy: FaultPolicy, on_lost: Callable[[], None] | None = None) -> Watchdog:
+    """Start this rank's watchdog for a run on the job's rendezvous ``address`` and ``port`` (collective: the
+    ranks agree on the run's key prefix), named after the plan's stages.
+
+    ``on_lost`` runs before the watchdog ends a rank stuck in a wait (survivors keep their state there)."""
+    token = all_gather(uuid.uuid4().hex if rank == 0 else None)[0]
+
+    def exit_process(message: str) -> None:
+        try:
+            if on_lost is not None:
+                on_lost()
+        finally:  # the stuck rank must end even if keeping its state failed, or it would hang
+            _exit_with(message)
+
+    watchdog = Watchdog.connect(
+        address, port, token, rank=rank, world_size=plan.world_size,
+        describe=rank_describer(plan, inventory), policy=policy, exit_process=exit_process,
+    )
+    return watchdog.start()

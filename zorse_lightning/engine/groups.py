@@ -47,7 +47,7 @@ def tear_down_hung_collectives(backend: str) -> None:
     would let the aborted collective's partial result reach an optimizer step and a survivor's snapshot.
     Survivors keep their state before that: the watchdog (:mod:`zorse_lightning.engine.faults`) declares a
     silent peer lost well within the timeout (60 s against 10 min by default), and keeping reads only
-    host copies (:mod:`zorse_lightning.strategy.fast_recovery`)."""
+    host copies (:mod:`zorse_lightning.engine.checkpoint.survivors`)."""
     if backend == "nccl":
         os.environ.setdefault(NCCL_ERROR_HANDLING, TEAR_DOWN_WITHOUT_ABORT)
 

@@ -10,6 +10,7 @@ cut, so the module is reported as not cuttable, with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -20,6 +21,15 @@ MIN_BLOCKS = 2
 
 class CutError(PlanningError):
     """The module cannot be cut into pipeline stages; the message says why and what to do."""
+
+
+class StageOutput(Exception):
+    """Raised by the last local block of a non-last stage: the microbatch ends on this rank here (raised by the
+    engine's cut, caught by its executor; an emulated rank's hooks pass it on)."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("stage output (caught by the executor)")
+        self.output = output
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,45 @@
-"""``ZorseStrategy``: Lightning's view of a zorse plan.
+"""``ZorseStrategy``: Lightning's view of a zorse plan, the adapter and nothing else.
 
 The strategy owns the step. Lightning calls ``training_step`` once per global
 batch; inside it the engine runs the plan's schedule, calling the user's own
 ``training_step`` per microbatch, with backward included. Lightning's
-``backward`` therefore only runs its hooks, and ``optimizer_step`` reduces the
-gradients (weighted by samples, over each weight's stages) before Lightning's
-clipping and the optimizer; clipping uses the global norm over all stages.
-``self.log`` inside microbatches is captured and replayed once per step.
-A module that optimises by hand owns its step instead (strategy/manual_optimization.py).
+``backward`` therefore only puts the schedule's gradients back between its
+hooks, and ``optimizer_step`` reduces them (weighted by samples, over each
+weight's stages) before Lightning's clipping and the optimizer; clipping uses
+the global norm over all stages. ``self.log`` inside microbatches is captured
+and replayed once per step. A module that optimises by hand owns its step
+instead (:mod:`.manual_optimization`).
 
 Start-up is one call: :func:`~zorse_lightning.startup.plan_at_start.run_startup`
-takes the first batch and the user's step and returns the plan (and what the
-emulation reuses). This file holds the construction, setup, start-up and data;
-the step hooks are in :mod:`.step_hooks`, checkpoint and failure hooks in
-:mod:`.checkpoint_hooks`. No rank holds more than its stage: nothing moves to
-the device before the engine's cut, and a module built on the meta device
-(``configure_model``, ``init_module(empty_init=True)``) is materialized per stage.
+takes the first batch and the user's step and returns the plan. No rank holds
+more than its stage: nothing moves to the device before the engine's cut, and a
+module built on the meta device (``configure_model``,
+``init_module(empty_init=True)``) is materialized per stage. One class: its
+arguments are the user's, everything the run learns or builds is one record
+(:class:`~.run_state.RunState`); what needs no Lightning API lives below
+(engine, its checkpoint package, start-up, the planner's plan check).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -41,37 +48,37 @@ from zorse_lightning.cluster.detection import check_detected_devices, local_devi
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
-from zorse_lightning.strategy.stage_emulation import StageEmulation
+from zorse_lightning.emulation.stage import StageEmulation
+from zorse_lightning.engine.checkpoint import shards, survivors
+from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module, host_group
+from zorse_lightning.engine.faults import FaultPolicy, start_watchdog
+from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
+from zorse_lightning.module.blocks import CutError, find_block_list
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
 from zorse_lightning.module.stage_weights import WeightSource
-from zorse_lightning.engine.faults import FaultPolicy
-from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.startup.detection import detect_cluster
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
-from zorse_lightning.strategy import checkpoint_io
-from zorse_lightning.strategy.checkpoint_hooks import ResumeState
-from zorse_lightning.strategy.step_hooks import StepHooks
+from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 from zorse_lightning.strategy.gradient_stash import GradientStash
-from zorse_lightning.strategy.fast_recovery import RecoveryPolicy, RecoveryReport, SurvivorKeeper, SurvivorSnapshots
-from zorse_lightning.strategy.log_capture import LogMerger, quiet_merged_metric_advice
+from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, quiet_merged_metric_advice, replay
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
-from zorse_lightning.strategy.plan_checks import check_plan_against, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
-from zorse_lightning.strategy.recovery import start_watchdog
-from zorse_lightning.strategy.sampler import plan_dataloader
-from zorse_lightning.strategy.start import quiet_training_step, rank_emulation, startup_inputs, training_loader
-from zorse_lightning.strategy.validation import check_plan_for_module
+from zorse_lightning.strategy.run_state import RunState
+from zorse_lightning.strategy.sampler import SamplerState, plan_dataloader
+from zorse_lightning.strategy.snapshots import SurvivorSnapshots, keeping_directory
+from zorse_lightning.strategy.trainer_inputs import quiet_training_step, rank_emulation, startup_inputs, training_loader
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
 PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
 
 
-class ZorseStrategy(StepHooks):
+class ZorseStrategy(ParallelStrategy):
     """Trains one LightningModule over the mixed GPUs of ``cluster`` by a planned pipeline.
 
     Args:
@@ -109,6 +116,8 @@ class ZorseStrategy(StepHooks):
 
     strategy_name = "zorse"
 
+    # -- construction -------------------------------------------------------------------------
+
     def __init__(
         self,
         cluster: ClusterSource | None = None,
@@ -137,13 +146,11 @@ class ZorseStrategy(StepHooks):
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self._cluster_source = cluster
-        self._inventory: ClusterInventory | None = None
         self._plan_source = plan
         self._planner_options = with_schedule(planner_options or PlannerOptions(), schedule)
         RankEmulation.check_slowdown(emulation_slowdown)
         self.emulation_slowdown = emulation_slowdown
         self._precision = precision
-        self._precision_choice: PrecisionChoice | None = None
         self.block_path = block_path
         self._weights = WeightSource(weights) if weights is not None else None
         self._weights_prefix = weights_prefix
@@ -154,73 +161,152 @@ class ZorseStrategy(StepHooks):
         self._recovery = recovery
         self._start_method = start_method
         self._num_nodes = 1
-        self._keeper = SurvivorKeeper()
-        self._tensorless_dump = False
-        self.recovery_report: RecoveryReport | None = None
-        """Where the last ``fit(ckpt_path=...)`` resumed from and what it read (None before one)."""
-        self._resume = ResumeState()
-        self._startup: StartupResult | None = None
-        self._plan: Plan | None = None
-        self._watchdog = None
-        self._engine: PipelineEngine | None = None
-        self._emulation: StageEmulation | None = None
-        self._rank_emu: RankEmulation | None = None
-        self._clip_patched = False
-        self._log_mergers: dict[str, LogMerger] = {}
-        self._host_group = None
-        """A gloo group over all ranks for host tensors (the default one where it is gloo); None on one rank."""
-        """One per hook: the metric layout each merge of that hook's logs reuses (learned again with a new plan)."""
-        self._stashed = GradientStash()
-        """The schedule's gradients of the last ``training_step``, put back in ``backward``."""
-        self._training_prepared = False
-        self._manual: ManualOptimization | None = None  # set with the plan for modules that optimise by hand
+        self._state = RunState()
+        """Everything the run learns or builds (the arguments above are the user's and stay as given)."""
 
-    # -- what the user can inspect ---------------------------------------------------------
+    # -- what the user can inspect ------------------------------------------------------------
 
     @property
     def inventory(self) -> ClusterInventory | None:
         """The cluster this strategy trains on (None until given or detected)."""
-        if self._inventory is None and self._cluster_source is not None:
-            self._inventory = load_cluster(self._cluster_source)
-        return self._inventory
+        if self._state.inventory is None and self._cluster_source is not None:
+            self._state.inventory = load_cluster(self._cluster_source)
+        return self._state.inventory
+
+    @property
+    def recovery_report(self) -> RecoveryReport | None:
+        """Where the last ``fit(ckpt_path=...)`` resumed from and what it read (None before one)."""
+        return self._state.recovery_report
 
     @property
     def plan(self) -> Plan:
-        if self._plan is None:
+        if self._state.plan is None:
             raise RuntimeError(
                 "ZorseStrategy.plan exists once the Trainer has set up the strategy (inside fit/validate/"
                 "test/predict); pass plan=... to fix it in advance"
             )
-        return self._plan
+        return self._state.plan
 
     @property
     def startup(self) -> StartupResult | None:
         """What start-up measured and planned from (profile and cluster as measured on rank 0); None when a
         plan was given or before the first dataloader."""
-        return self._startup
+        return self._state.startup
 
     @property
     def precision_choice(self) -> PrecisionChoice:
         """The precision every rank trains in, and why (also in the plan's notes)."""
-        if self._precision_choice is None:
+        if self._state.precision_choice is None:
             raise RuntimeError("ZorseStrategy.precision_choice is made at setup, once the ranks' devices are known")
-        return self._precision_choice
+        return self._state.precision_choice
 
     @property
     def emulation(self) -> StageEmulation | None:
         """This rank's emulation of its GPU type (None when off or before the first step)."""
-        return self._emulation
+        return self._state.emulation
 
     @property
     def engine(self) -> PipelineEngine:
-        if self._engine is None:
+        if self._state.engine is None:
             raise RuntimeError("the zorse engine is built at setup, once the plan is known")
-        return self._engine
+        return self._state.engine
+
+    # -- processes, devices, collectives ------------------------------------------------------
+
+    @property
+    @override
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        # Lightning hands its accelerator choice to the strategy here: keep its device kind, add the cluster.
+        self._accelerator = None if value is None else resolve_accelerator(None, value, self.inventory)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The device Lightning gave this local rank (``Trainer(devices=[1])``: ``cuda:1``); a process that
+        sees only its own GPU (one Lightning device per process under torchrun or srun) takes the one it sees."""
+        devices = self.parallel_devices
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if devices[0].type != "cuda":
+            return devices[0]
+        return torch.device("cuda", cuda_index_for(self.local_rank, torch.cuda.device_count()))
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
+        environment = self.cluster_environment
+        # Lightning's children see LOCAL_RANK and report creates_processes_externally, yet still need
+        # their ranks set; only HeterogeneousEnvironment (torchrun, SLURM) knows them on its own.
+        if environment is not None and not isinstance(environment, HeterogeneousEnvironment):
+            if self.num_nodes > 1:
+                raise ValueError(
+                    f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "
+                    f"process its global rank (machines may run different numbers of processes)"
+                )
+            environment.set_global_rank(self.local_rank)
+            environment.set_world_size(self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = backend_for(self.root_device)
+        tear_down_hung_collectives(backend)  # read by each NCCL group as it is created: before the first
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- setup and the plan -------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self._cluster_source is None and self._inventory is None and self._plan_source is None:
-            self._inventory = detect_cluster(self.root_device, self.world_size)
+        if self._cluster_source is None and self._state.inventory is None and self._plan_source is None:
+            self._state.inventory = detect_cluster(self.root_device, self.world_size)
         self.accelerator.setup(trainer)
         quiet_merged_metric_advice()
         self._set_precision()
@@ -239,26 +325,27 @@ class ZorseStrategy(StepHooks):
         if self._recovery.enabled and self.world_size > 1 and not any(
             isinstance(c, SurvivorSnapshots) for c in trainer.callbacks
         ):
-            trainer.callbacks.insert(0, SurvivorSnapshots(self._snapshot_for_recovery, self._keeper, self._recovery))
-        if self._engine is None:
+            trainer.callbacks.insert(0, SurvivorSnapshots(self._snapshot_for_recovery, self._state.keeper, self._recovery))
+        if self._state.engine is None:
             if self.world_size > 1:
-                self._host_group = host_group()
+                self._state.host_group = host_group()
             if self.world_size > 1 and not has_meta_tensors(self.lightning_module):  # meta: values per stage
-                broadcast_module(self.lightning_module, self._host_group)
+                broadcast_module(self.lightning_module, self._state.host_group)
             if self._plan_source is not None:
-                plan = resolve_plan(self._plan_source, self.inventory, self.world_size)
+                plan = resolve_plan(self._plan_source, self.world_size)
                 check_schedule(plan, self._planner_options)
                 self._set_plan(plan)
 
     def _set_precision(self) -> None:
         if self.inventory is not None:
-            check_detected_devices(self.inventory, checkpoint_io.all_gather(local_device_report(self.root_device)))
+            check_detected_devices(self.inventory, shards.all_gather(local_device_report(self.root_device)))
             gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
         else:
             gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, self.accelerator.describe_rank(self.global_rank, self.local_rank, self.root_device).gpu_type)
+            mine = self.accelerator.describe_rank(self.global_rank, self.local_rank, self.root_device)
+            dist.all_gather_object(gathered, mine.gpu_type)
             gpu_types = [t for t in gathered if t is not None]
-        plugin, self._precision_choice = resolve_precision(
+        plugin, self._state.precision_choice = resolve_precision(
             self._precision, self.precision_plugin, gpu_types, self.root_device.type
         )
         plugin.parameters = lambda: self.engine.local_parameters()
@@ -266,30 +353,33 @@ class ZorseStrategy(StepHooks):
         self.precision_plugin = plugin
 
     def _set_plan(self, plan: Plan) -> None:
-        if self.inventory is not None:
-            check_plan_against(plan, self.inventory)
+        blocks = model_blocks(self.lightning_module, self.block_path) if len(plan.stages) > 1 else None
+        check_plan(plan, self.inventory, blocks)
         check_manual_plan(plan, self.lightning_module, self.precision_plugin)
-        check_plan_for_module(plan, self.lightning_module, self.block_path, self.inventory)
-        if self._precision_choice is not None and self._precision_choice.note not in plan.notes:
-            plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._precision_choice.note]})
-        self._plan = plan
+        if self._state.precision_choice is not None and self._state.precision_choice.note not in plan.notes:
+            plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._state.precision_choice.note]})
+        self._state.plan = plan
         groups = build_groups(plan, self.global_rank, self._timeout)
-        self._log_mergers = {}
-        self._watchdog = start_watchdog(
-            self.cluster_environment, plan, self.inventory, self.global_rank, self._faults, self._keep_survivor_state
+        self._state.log_mergers = {}
+        environment = self.cluster_environment
+        self._state.watchdog = start_watchdog(
+            environment.main_address, environment.main_port, plan, self.inventory, self.global_rank, self._faults,
+            self._keep_survivor_state,
         )
-        self._engine = PipelineEngine(
+        self._state.engine = PipelineEngine(
             self.lightning_module, groups, self.root_device, self.block_path,
-            initial=self._initial_values(), host_group=self._host_group,
+            initial=self._initial_values(), host_group=self._state.host_group,
         )
         self.precision_plugin.cache_weights = groups.is_idle or not groups.stage.gather_per_microbatch
         if not self.lightning_module.automatic_optimization:
-            self._manual = ManualOptimization(self._engine, self.lightning_module, self.precision_plugin, self._host_group)
+            self._state.manual = ManualOptimization(
+                self._state.engine, self.lightning_module, self.precision_plugin, self._state.host_group
+            )
 
     def _initial_values(self) -> InitialValues:
         """A resumed checkpoint's weights (names as the module's own), else the pretrained ``weights`` given."""
-        if self._resume.pending_module_state is not None:
-            return InitialValues(self.seed, self._resume.pending_module_state, weights_prefix="")
+        if self._state.resume.pending_module_state is not None:
+            return InitialValues(self.seed, self._state.resume.pending_module_state, weights_prefix="")
         return InitialValues(self.seed, self._weights, self._weights_prefix)
 
     @override
@@ -312,15 +402,15 @@ class ZorseStrategy(StepHooks):
         with torch.device("meta"):
             yield
 
-    # -- start-up and data -----------------------------------------------------------------
+    # -- start-up and data --------------------------------------------------------------------
 
     def _rank_emulation(self) -> RankEmulation | None:
         """This rank's emulation, made once: its memory meter counts from setup to the end of the run."""
-        if self._rank_emu is None:
-            self._rank_emu = rank_emulation(
+        if self._state.rank_emulation is None:
+            self._state.rank_emulation = rank_emulation(
                 self.inventory, self._emulate, self.root_device, self.global_rank, self.emulation_slowdown
             )
-        return self._rank_emu
+        return self._state.rank_emulation
 
     def _plan_at_start(self, loader: DataLoader) -> Plan:
         """Start-up on the training loader (its batch size makes the global batch), with gradients on.
@@ -334,32 +424,257 @@ class ZorseStrategy(StepHooks):
             loader = training_loader(trainer, loader)
         inputs = startup_inputs(
             self.lightning_module, self.inventory, loader, self.global_rank, self.world_size, self.root_device,
-            self._resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
+            self._state.resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
             self.seed,
         )
         with torch.inference_mode(False), torch.enable_grad():
             batch = self.batch_to_device(next(iter(loader)))
-            self._startup = run_startup(inputs, batch, quiet_training_step(self.lightning_module))
-        return self._startup.plan
+            self._state.startup = run_startup(inputs, batch, quiet_training_step(self.lightning_module))
+        return self._state.startup.plan
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
-        if self._plan is None:
+        if self._state.plan is None:
             self._set_plan(self._plan_at_start(dataloader))
         loader = plan_dataloader(dataloader, self.plan, self.global_rank, self.seed)
         if self.lightning_module.trainer.training:
-            self._resume.train_loader(loader.batch_sampler)
+            self._state.resume.train_loader(loader.batch_sampler)
         return loader
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
+        method = getattr(self.lightning_module, hook)
+        return lambda micro, j: method(micro, batch_idx, *rest)
+
+    def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
+        """Cut the module (unless a validation before training did), then what training alone needs:
+        optimizers restricted to this rank's weights or shard, their restored state, the emulation."""
+        if not self.engine.prepared:
+            silent = LogCapture(self.plan.microbatch_size)
+            with capturing_logs(self.lightning_module, silent):
+                self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        self._state.training_prepared = True
+        for optimizer in self.optimizers:
+            self.engine.setup_optimizer(optimizer)
+        for optimizer, state in zip(self.optimizers, self._state.resume.pending_optimizer_states):
+            shards.load_optimizer_state(optimizer, self.lightning_module, state)
+        self._state.resume.pending_optimizer_states = []
+        emulation = self._rank_emulation()
+        if emulation is not None:
+            costs = self._state.startup.calibrated_costs if self._state.startup is not None else None
+            self._state.emulation = StageEmulation.start(
+                emulation, costs, self.lightning_module, self.engine.cut, self.optimizers, self.plan.microbatch_size
+            )
+
+    def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
+        capture = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, capture):
+            result = run(self._microbatch_step(hook, batch_idx, *rest))
+        merger = self._state.log_mergers.setdefault(hook, LogMerger(self.root_device, self._state.host_group))
+        replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
+        return result
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
+        if not self._state.training_prepared:
+            self._prepare_engine(batch, batch_idx)
+        if self._state.manual is not None:
+            with self.precision_plugin.train_step_context():
+                output = self._state.manual.training_step(batch, batch_idx, *rest)
+            self._step_done(batch_idx)
+            return output
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        scale = self.precision_plugin.loss_scale_value / accumulate
+        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then. Without
+        # accumulation Lightning zeroes the last step's gradients in this step anyway: they are let go here (they
+        # may be views into the reduction's buffer, which this run refills).
+        overlap = accumulate == 1
+        earlier = GradientStash.take(self.engine.local_parameters()) if not overlap else None
+        if overlap:
+            for param in self.engine.local_parameters():
+                param.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._captured(
+                lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
+            )
+        self._step_done(batch_idx)
+        self._state.stashed = GradientStash.take(self.engine.local_parameters())
+        if earlier is not None:
+            earlier.put_back()
+        return loss
+
+    def _step_done(self, batch_idx: int) -> None:
+        if self._state.emulation is not None:
+            self._state.emulation.after_step()
+        self._state.resume.step_done(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
+
+    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        if not self.engine.prepared:
+            self._prepare_engine_for_evaluation(batch, batch_idx, hook)
+        with self.precision_plugin.val_step_context():
+            outputs = self._captured(lambda step: self.engine.evaluate(batch, step), hook, batch_idx, *rest)
+        return [outputs[j] for j in sorted(outputs)] if outputs else None
+
+    def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
+        """The cut is probed on a loss (its graph shows what crosses the stages): the training step gives
+        one, where ``validation_step`` may only log and ``predict_step`` return no gradient."""
+        probe = "training_step" if is_overridden("training_step", self.lightning_module) else hook
+        silent = LogCapture(self.plan.microbatch_size)
+        with capturing_logs(self.lightning_module, silent), torch.enable_grad():
+            self.engine.prepare(batch, self._microbatch_step(probe, batch_idx))
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("validation_step", batch, batch_idx, *rest)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        self._evaluation_step("test_step", batch, batch_idx, *rest)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        outputs = self._evaluation_step("predict_step", batch, batch_idx, *rest)
+        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+            return torch.cat(outputs)
+        return outputs
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
+        if self._state.manual is not None:
+            return self._state.manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._state.stashed.put_back()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            if self._state.manual is None:  # manual_backward reduced its gradients already
+                self.engine.reduce_gradients()
+            # The step changes the weights: a survivor snapshot's copy still reading them (it overlapped this
+            # step's forward and backward) finishes first, a wait on the device, not the host.
+            self._state.keeper.before_optimizer_step()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        self.engine.after_optimizer_step()
+        return output
+
+    def _patch_clipping(self) -> None:
+        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage. (By hand:
+        one unsharded stage whose gradients are reduced at backward, so Lightning's clipping is right as it is.)"""
+        if self._state.clip_patched or not self.lightning_module.automatic_optimization:
+            return
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
+        self._state.clip_patched = True
+
+    # -- checkpoints, snapshots, failures -----------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._state.tensorless_dump:
+            return {}
+        return shards.local_module_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._state.tensorless_dump:
+            return {"param_groups": shards.optimizer_hyperparameters(optimizer)}
+        return shards.local_optimizer_state(optimizer, self.lightning_module)
+
+    def _snapshot_for_recovery(self, trainer: Any) -> bool:
+        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep. What
+        never changes over the run (plan, inventory) is given to the keeper once. False: none was started."""
+        module, optimizers = self.lightning_module, self._raw_optimizers()
+        if not self._state.keeper.static:
+            if self._state.keeper.copies(module, optimizers):
+                survivors.check_host_memory(self._state.keeper.held_bytes(module, optimizers), len(self.parallel_devices))
+            static = shards.zorse_section(self._state.plan, self.inventory, None)
+            self._state.keeper.static = {"zorse": {k: v for k, v in static.items() if k != "sampler"}}
+        self._state.tensorless_dump = True
+        try:
+            common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._state.tensorless_dump = False
+        del common["state_dict"]
+        common["zorse"] = {"sampler": shards.zorse_section(None, None, self._state.resume.sampler_state())["sampler"]}
+        return self._state.keeper.snapshot(trainer.global_step, common, module, optimizers)
+
+    def _keep_survivor_state(self) -> None:
+        if self._recovery.enabled and self.lightning_module is not None:
+            directory = keeping_directory(self._recovery, self.lightning_module.trainer)
+            self._state.keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
+
+    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A module built on the meta device has no memory to load into: its stage reads the checkpoint's
+        weights when it reaches the device (``InitialValues.weights``)."""
+        if has_meta_tensors(self.lightning_module):
+            self._state.resume.pending_module_state = dict(checkpoint["state_dict"])
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if states and shards.NAMED_STATE_KEY in states[0]:
+            self._state.resume.pending_optimizer_states = list(states)
+        else:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Atomic across ranks: every rank writes its share, then rank 0 publishes (see engine.checkpoint.shards)."""
+        checkpoint["zorse"] = shards.zorse_section(self._state.plan, self.inventory, self._state.resume.sampler_state())
+        shards.save(checkpoint, filepath, shards.manifest_metadata(self.lightning_module, self._state.plan))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not shards.is_checkpoint_directory(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._recovery.enabled:
+            checkpoint, report = survivors.load(
+                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
+            )
+            (rank_zero_warn if report.passed_over_survivors else rank_zero_info)(report.message)
+            self._state.recovery_report = report
+        else:
+            checkpoint = shards.load(checkpoint_path, self.global_rank, self.world_size)
+        zorse = checkpoint.get("zorse") or {}
+        if zorse.get("plan"):
+            self._state.resume.checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
+        sampler = zorse.get("sampler")
+        if sampler:
+            self._state.resume.position = SamplerState(**sampler)
+        return checkpoint
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Another rank's loss or failure is named here; an error of this rank's own is told to the others."""
+        if self._state.watchdog is not None:
+            lost = self._state.watchdog.explain(exception)
+            if lost is not None:
+                self._keep_survivor_state()
+                raise lost from exception
+
+    # -- teardown and registration ------------------------------------------------------------
 
     @override
     def teardown(self) -> None:
         """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        if self._emulation is not None:
-            self._emulation.stop()
+        if self._state.watchdog is not None:
+            self._state.watchdog.stop()
+        if self._state.emulation is not None:
+            self._state.emulation.stop()
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
@@ -380,3 +695,13 @@ class ZorseStrategy(StepHooks):
         strategy_registry.register(
             "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
         )
+
+
+def model_blocks(module: torch.nn.Module, block_path: str | None) -> ModelBlocks:
+    """What the plan check needs of the module: its blocks' sizes, or why it has no block list."""
+    try:
+        blocks = find_block_list(module, block_path).blocks
+    except CutError as error:
+        return ModelBlocks(type(module).__name__, problem=str(error))
+    dtype = str(next(blocks[0].parameters()).dtype).removeprefix("torch.")
+    return ModelBlocks(type(module).__name__, tuple(sum(p.numel() for p in b.parameters()) for b in blocks), dtype)

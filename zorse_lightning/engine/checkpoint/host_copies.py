@@ -5,7 +5,7 @@ Under NCCL a collective that a dead peer never joins blocks the CUDA stream, so
 a device-to-host copy made when the loss is noticed would wait forever. The
 copies are therefore made after optimizer steps, into reused pinned buffers,
 and keeping writes them without touching the device
-(:class:`~.fast_recovery.SurvivorKeeper`). As PyTorch's asynchronous
+(:class:`~.survivors.SurvivorKeeper`). As PyTorch's asynchronous
 checkpointing and CheckFreq do, a copy runs on a side stream after an event
 recorded at the end of the optimizer step, so it overlaps the next step's
 forward and backward; the host never waits for it, and the next optimizer step
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from zorse_lightning.strategy.checkpoint_io import held_module_entries, held_optimizer_entries
+from zorse_lightning.engine.checkpoint.shards import held_module_entries, held_optimizer_entries
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from zorse_lightning.engine import checkpoint_files
+from zorse_lightning.engine.checkpoint import files as checkpoint_files
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.engine.checkpoint_files import (
+from zorse_lightning.engine.checkpoint.files import (
     COMMON, CheckpointError, is_checkpoint_directory, read_file, read_manifest, shard_name,
 )
-from zorse_lightning.strategy.sampler import SamplerState
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.module.materialize import holds_values
 
@@ -126,8 +125,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def zorse_section(plan: Plan | None, inventory: ClusterInventory | None, sampler: SamplerState | None) -> dict:
-    """What the strategy adds to Lightning's checkpoint: the plan, the cluster, the data position."""
+def zorse_section(plan: Plan | None, inventory: ClusterInventory | None, sampler: Any = None) -> dict:
+    """What the strategy adds to Lightning's checkpoint: the plan, the cluster, the data position (the sampler's
+    state, a dataclass)."""
     return {
         "plan": plan.to_dict() if plan else None,
         "inventory": inventory,

@@ -2,8 +2,9 @@
 
 A checkpoint is taken every few steps; a lost rank costs every step since. But
 the survivors still hold their stages' parameters and optimizer shards of the
-last completed step. Each rank therefore snapshots, at the end of every
-optimizer step, the small part of Lightning's checkpoint (loops, callbacks,
+last completed step. Each rank therefore snapshots, after optimizer steps (at
+an interval chosen from the snapshot's cost: :func:`snapshot_interval`), the
+small part of Lightning's checkpoint (loops, callbacks,
 optimizer hyper-parameters, data position: a few kilobytes, serialized with its
 tensors moved to the host, so that later changes do not reach it) and its
 held tensors, in one of two ways (:class:`SurvivorKeeper`):
@@ -13,11 +14,13 @@ held tensors, in one of two ways (:class:`SurvivorKeeper`):
   memory, no collective; keeping reads the tensors themselves, unless they moved
   since the snapshot (the lost rank died inside an optimizer step: that state
   belongs to no completed step);
-- held on a GPU: host copies, taken at step end into reused (pinned) buffers.
-  Under NCCL a collective that the dead peer never joins blocks the CUDA stream,
-  so a device-to-host copy at loss time would wait forever; keeping touches no
-  device tensor. This costs a device-to-host transfer of the held state each
-  step and twice its size in host memory.
+- held on a GPU: host copies into two reused pinned buffer sets, on a side
+  stream that overlaps the next step (:mod:`.host_copies`). Under NCCL a
+  collective that the dead peer never joins blocks the CUDA stream, so a
+  device-to-host copy at loss time would wait forever; keeping touches no
+  device tensor. This costs a device-to-host transfer of the held state per
+  snapshot and twice its size in pinned host memory (checked:
+  :func:`check_host_memory`).
 
 When the watchdog declares a rank lost, the rank writes its held state to local
 disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json`` index, each
@@ -41,35 +44,31 @@ import io
 import json
 import math
 import os
-import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from zorse_lightning.engine.checkpoint_files import (
+from zorse_lightning.engine.checkpoint.files import (
     COMMON,
     read_file,
     read_manifest,
     shard_name,
 )
-from zorse_lightning.strategy.checkpoint_io import (
+from zorse_lightning.engine.checkpoint.shards import (
     NAMED_STATE_KEY,
     all_gather,
     held_module_state,
     held_optimizer_state,
     merged_state_dict,
 )
-from zorse_lightning.strategy.checkpoint_io import load as load_checkpoint
-from zorse_lightning.strategy.host_copies import CopyDone, HostCopy, copy_to_host, held_on_device, lives_off_host
+from zorse_lightning.engine.checkpoint.shards import load as load_checkpoint
+from zorse_lightning.engine.checkpoint.host_copies import CopyDone, HostCopy, copy_to_host, held_on_device, lives_off_host
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.materialize import holds_values
 
@@ -126,6 +125,13 @@ class RecoveryReport:
     survivor_files: tuple[str, ...]
     checkpoint_files: tuple[str, ...]
     reason: str
+    message: str = ""
+    """What the relaunch says about it (the strategy prints it once, as a warning where newer kept state was
+    passed over for the checkpoint)."""
+
+    @property
+    def passed_over_survivors(self) -> bool:
+        return "only in the checkpoint" in self.reason
 
 
 @dataclass(frozen=True)
@@ -409,10 +415,9 @@ def load(
     union = {k.path: k for ks in all_gather(listed) for k in ks}
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     step, chosen, reason = choose_step(list(union.values()), checkpoint_step, set(module.state_dict()), trainable)
-    say = rank_zero_warn if "only in the checkpoint" in reason else rank_zero_info
     if not chosen:
-        say(f"zorse: resuming from the checkpoint {directory} at step {step} ({reason})")
-        report = RecoveryReport(step, checkpoint_step, (), tuple(sorted(manifest["files"])), reason)
+        message = f"zorse: resuming from the checkpoint {directory} at step {step} ({reason})"
+        report = RecoveryReport(step, checkpoint_step, (), tuple(sorted(manifest["files"])), reason, message)
         return load_checkpoint(path, rank, world_size), report
     kept = _read_kept(chosen, {k.path for k in listed}, rank)
     shards = [kept[k.path] for k in chosen]
@@ -427,11 +432,9 @@ def load(
     checkpoint["state_dict"] = merged_state_dict(shards)
     for index, state in enumerate(checkpoint.get("optimizer_states", [])):
         state[NAMED_STATE_KEY] = {k: v for s in shards for k, v in s["optimizers"][index].items()}
-    say(f"zorse: resuming from step {step}: {len(chosen)} survivors' files and {len(read)} shards of the "
-        f"checkpoint {directory} ({reason})")
-    return checkpoint, RecoveryReport(step, checkpoint_step, tuple(k.path for k in chosen), tuple(read), reason)
-
-
+    message = (f"zorse: resuming from step {step}: {len(chosen)} survivors' files and {len(read)} shards of the "
+               f"checkpoint {directory} ({reason})")
+    return checkpoint, RecoveryReport(step, checkpoint_step, tuple(k.path for k in chosen), tuple(read), reason, message)
 
 
 def snapshot_interval(cost_ms: float, step_ms: float, max_cost: float) -> int:
@@ -460,70 +463,5 @@ def check_host_memory(held_bytes: int, processes: int, available_bytes: int | No
         )
 
 
-class SurvivorSnapshots(pl.Callback):
-    """First of the callbacks, so that its snapshot holds what ``ModelCheckpoint`` would save at that step.
-
-    Snapshots are taken every ``interval`` optimizer steps. Unless the policy fixes it, the interval is
-    chosen once the first snapshot is complete and a few steps were timed (snapshots are taken at every
-    step until then, as far as their copies allow): its cost (the host's time to take the first one plus
-    its copy's time on the side stream, counted as if it did not overlap the step at all) over
-    :attr:`RecoveryPolicy.max_snapshot_cost` of the median step. The run says what it chose.
-    """
-
-    STEPS_TIMED = 4
-    """Steps (end to end, host clock) timed before the interval is chosen."""
-
-    def __init__(self, take: Callable[[pl.Trainer], bool], keeper: SurvivorKeeper, policy: RecoveryPolicy) -> None:
-        self._take = take
-        self._keeper = keeper
-        self._policy = policy
-        self.interval: int | None = policy.snapshot_every_steps
-        self._last_step = -1
-        self._last_end: float | None = None
-        self._step_ms: list[float] = []
-        self._take_ms: float | None = None
-        self.cost_ms: float | None = None
-        """One snapshot's measured cost: host time plus copy time (None until the interval is chosen)."""
-        self.step_ms: float | None = None
-        """The median step it was weighed against."""
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self._last_step:  # mid-accumulation: no optimizer step completed
-            return
-        self._last_step = trainer.global_step
-        now = time.perf_counter()
-        if self._last_end is not None and len(self._step_ms) < self.STEPS_TIMED:
-            self._step_ms.append((now - self._last_end) * 1000)
-        self._last_end = now
-        if self.interval is None:
-            self._choose_interval()
-        # Until the interval is chosen, every step (the cost is being measured); then every ``interval`` steps.
-        if self.interval is None or trainer.global_step % self.interval == 0:
-            if self._take(trainer) and self._take_ms is None:
-                self._take_ms = (time.perf_counter() - now) * 1000
-            self._last_end = time.perf_counter()  # the snapshot's host time is timed apart from the step's
-
-    def _choose_interval(self) -> None:
-        if self._take_ms is None or self._keeper.newest_step is None or len(self._step_ms) < self.STEPS_TIMED:
-            return
-        copy_ms = self._keeper.last_copy_ms or 0.0
-        self.cost_ms = cost_ms = self._take_ms + copy_ms
-        self.step_ms = step_ms = statistics.median(self._step_ms)
-        self.interval = snapshot_interval(cost_ms, step_ms, self._policy.max_snapshot_cost)
-        rank_zero_info(
-            f"zorse: survivor snapshots every {self.interval} steps (a recovery redoes at most {self.interval}): "
-            f"one costs {cost_ms:.1f} ms ({self._take_ms:.1f} on the host, {copy_ms:.1f} copying) against a "
-            f"{step_ms:.1f} ms step, at most {100 * self._policy.max_snapshot_cost:g} % of step time "
-            f"(RecoveryPolicy(snapshot_every_steps=...) fixes it)"
-        )
-
-
-def keeping_directory(policy: RecoveryPolicy, trainer: pl.Trainer) -> Path:
-    """Where this run's survivors write: the checkpoints' directory, where the relaunch will look."""
-    callback = trainer.checkpoint_callback
-    dirpath = getattr(callback, "dirpath", None) or trainer.default_root_dir
-    return survivors_directory(policy, dirpath)
-
-
-__all__ = ["KeptIndex", "RecoveryPolicy", "RecoveryReport", "SurvivorKeeper", "SurvivorSnapshots", "check_host_memory", "choose_step",
-           "keeping_directory", "load", "survivors_directory"]
+__all__ = ["KeptIndex", "RecoveryPolicy", "RecoveryReport", "SurvivorKeeper", "check_host_memory", "choose_step",
+           "load", "snapshot_interval", "survivors_directory"]
