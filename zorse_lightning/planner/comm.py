@@ -220,6 +220,7 @@ class LinkTable:
     """Effective rate / nominal rate of every link (see :data:`LINK_EFFICIENCY`); 1.0 prices nominal rates."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _machines: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _backend: CollectiveBackend = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -228,6 +229,7 @@ class LinkTable:
                 f"rate that transfers achieve; use {LINK_EFFICIENCY} (measured) or 1.0 for nominal rates"
             )
         object.__setattr__(self, "_machines", tuple(g.machine for g in self.inventory.gpus))
+        object.__setattr__(self, "_backend", CollectiveBackend.of(self.inventory))
 
     def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
         """(key of the shared link, effective bandwidth_gbps, latency_us) between two ranks."""
@@ -275,9 +277,23 @@ class LinkTable:
             self._cache[key] = (min(l[1] for l in links), max(l[2] for l in links))
         return self._cache[key]
 
+    def group_order(
+        self, ranks: tuple[int, ...], shard_fractions: tuple[float, ...] = ()
+    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """A stage's ranks in the order of its process group (ascending: ``torch.distributed.new_group``
+        numbers a group's ranks so), with each rank's share of the sharded state (``shard_fractions``, in
+        the order of ``ranks``; empty: equal shares). Cached: the search prices the same stages many times."""
+        key = ("order", ranks, shard_fractions)
+        if key not in self._cache:
+            fractions = shard_fractions or (1.0 / len(ranks),) * len(ranks)
+            by_rank = dict(zip(ranks, fractions))
+            order = tuple(sorted(ranks))
+            self._cache[key] = (order, tuple(by_rank[r] for r in order))
+        return self._cache[key]
+
     @property
     def backend(self) -> CollectiveBackend:
-        return CollectiveBackend.of(self.inventory)
+        return self._backend
 
     def _linear_ms(self, key: tuple, phases_of_one_byte: Callable[[], tuple[Phase, ...]]) -> tuple[float, float]:
         """(ms per byte, ms of latencies) of a collective whose every flow scales with its bytes, so
@@ -385,16 +401,6 @@ def ring_sync_ms(
     )
 
 
-def group_order(ranks: tuple[int, ...], shard_fractions: tuple[float, ...] = ()) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """A stage's ranks in the order of its process group (ascending: ``torch.distributed.new_group``
-    numbers a group's ranks so), with each rank's share of the sharded state (``shard_fractions``, in
-    the order of ``ranks``; empty: equal shares)."""
-    fractions = shard_fractions or (1.0 / len(ranks),) * len(ranks)
-    by_rank = dict(zip(ranks, fractions))
-    order = tuple(sorted(ranks))
-    return order, tuple(by_rank[r] for r in order)
-
-
 def stage_sync_ms(
     links: LinkTable, ranks: tuple[int, ...], weight_bytes: float, gradient_bytes: float, sharding: Sharding,
     shard_fractions: tuple[float, ...] = (),
@@ -419,7 +425,7 @@ def stage_sync_ms(
     """
     if len(ranks) <= 1:
         return 0.0
-    order, shares = group_order(ranks, shard_fractions)
+    order, shares = links.group_order(ranks, shard_fractions)
     if sharding is Sharding.NONE:
         return links.all_reduce_ms(order, gradient_bytes)
     if sharding is Sharding.OPTIMIZER:
@@ -447,7 +453,7 @@ def gather_round_ms(
     """
     if len(ranks) <= 1 or num_blocks <= 0:
         return 0.0
-    order, shares = group_order(ranks, shard_fractions)
+    order, shares = links.group_order(ranks, shard_fractions)
     gather = links.from_owners_ms(order, weight_bytes / num_blocks, shares)
     reduce = links.to_owners_ms(order, gradient_bytes / num_blocks, shares)
     return num_blocks * (2 * gather + reduce)
