@@ -134,7 +134,7 @@ def test_planned_on_emulated_ranks_gives_the_faster_rank_more_and_matches_single
         assert planned["loss_diff"] < 1e-5, (rank, planned)
         stages = planned["stages"]
         assert planned["calls"] > 0 or _work(stages, rank) == 0  # emulated while it trained (unless left idle)
-        assert "precision 32-true: CPU ranks (emulated GPUs model speed, not numerics)" in planned["notes"]
+        assert "precision 32-true: the Trainer's precision" in planned["notes"]  # Lightning's default, kept
         assert planned["global_batch"] == GLOBAL_BATCH  # the training loader's, not the validation one's
     # Profiled with gradients on, though the sanity check's validation came first (in inference mode):
     # a block's backward costs about twice its forward, never nothing.

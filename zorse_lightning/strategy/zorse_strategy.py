@@ -353,9 +353,9 @@ class ZorseStrategy(ParallelStrategy):
         self.precision_plugin = plugin
 
     def _set_plan(self, plan: Plan) -> None:
+        check_manual_plan(plan, self.lightning_module, self.precision_plugin)  # its own reason comes first
         blocks = model_blocks(self.lightning_module, self.block_path) if len(plan.stages) > 1 else None
         check_plan(plan, self.inventory, blocks)
-        check_manual_plan(plan, self.lightning_module, self.precision_plugin)
         if self._state.precision_choice is not None and self._state.precision_choice.note not in plan.notes:
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._state.precision_choice.note]})
         self._state.plan = plan
