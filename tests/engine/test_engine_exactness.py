@@ -266,8 +266,10 @@ def results(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("case", [c.name for c in CASES])
 def test_parameters_and_losses_match_single_process(results, case):
     # AdamW divides by the root of its second moment: rounding of gradients summed in another order (1e-8)
-    # moves a weight with a gradient near zero by up to its learning rate's 1e-3 (measured 4e-5 after 3 steps).
-    tolerance = 2e-4 if next(c for c in CASES if c.name == case).adamw else 1e-5
+    # moves a weight with a gradient near zero by up to its learning rate's 1e-3 (measured 4e-5 after 3 steps;
+    # 2.5e-4 with torch 2.13 on two_ranks_full_per_microbatch_gpipe_recompute_adamw, at 07eb0c9 as now, one
+    # weight of rank 0, every loss within 5e-7).
+    tolerance = 5e-4 if next(c for c in CASES if c.name == case).adamw else 1e-5
     for rank, per_rank in enumerate(results):
         assert per_rank[case]["max_param_diff"] < tolerance, (rank, per_rank[case])
         assert per_rank[case]["evaluated_diff"] < 1e-5, (rank, per_rank[case])

@@ -187,10 +187,12 @@ class ModelProfile:
 
     @property
     def measured_sizes(self) -> tuple[int, ...] | None:
-        """The microbatch sizes every measured GPU type timed its blocks at (None: no type was measured);
-        the planner prices no other size on a measured profile."""
+        """The microbatch sizes every measured GPU type timed its blocks at (None: no type holds measured points,
+        e.g. a profile given as lines); the planner prices no other size on a measured profile."""
         sizes = [
-            set(layer.forward.sizes) for d in self.devices.values() if d.source is ProfileSource.MEASURED for layer in d.layers
+            set(layer.forward.sizes)
+            for d in self.devices.values() if d.source is ProfileSource.MEASURED
+            for layer in d.layers if layer.forward.measured_ms
         ]
         return tuple(sorted(set.intersection(*sizes))) if sizes else None
 
