@@ -31,7 +31,9 @@ PRECISIONS = {"bf16-mixed", "32-true"}
 @pytest.fixture(scope="module")
 def lines() -> list[dict]:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.one_gpu", "--tiny"], cwd=REPO, capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "bench.one_gpu", "--tiny", "--warmup", "1", "--steps", "2", "--compare-steps", "4",
+         "--overhead-warmup", "2", "--overhead-steps", "5"],  # the code paths, not figures: few steps
+        cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
@@ -60,3 +62,12 @@ def test_host_overhead_line(lines):
     assert "error" not in line, line["error"]
     assert line["plain_host_ms_per_step"] > 0 and line["zorse_host_ms_per_step"] > 0, line
     assert lines[-1] is line  # printed last
+
+
+def test_both_strategies_train_the_same_parameters_from_the_same_start(lines):
+    """Would catch zorse training other values than plain Lightning (another precision, a lost or doubled
+    gradient, another data order): one CPU rank, fp32, the same weights and batches."""
+    (line,) = [line for line in lines if line.get("case") == "parameters_after_steps"]
+    assert "error" not in line, line["error"]
+    assert line["same_names"] and line["compared"] > 0, line
+    assert line["max_abs_diff"] <= 1e-5 * line["max_abs_weight"], line
