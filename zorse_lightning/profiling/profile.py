@@ -8,6 +8,7 @@ the last. Times are per microbatch, as a function of microbatch size.
 
 from __future__ import annotations
 
+from functools import cached_property
 from dataclasses import dataclass
 from enum import Enum
 
@@ -44,10 +45,18 @@ class TimeCurve:
         """The microbatch sizes measured."""
         return self.measured_sizes or tuple(range(1, len(self.measured_ms) + 1))
 
+    @cached_property
+    def _at_measured(self) -> dict[int, float]:
+        return {b: max(t, MIN_BLOCK_TIME_MS) for b, t in zip(self.sizes, self.measured_ms)}
+
     def at(self, microbatch_size: int) -> float:
         """The measured time at a measured size; between two measured sizes, on the segment joining them
         (start-up measures every size it lets the planner use, so this prices sizes a caller asks for
-        directly); elsewhere the fitted line."""
+        directly); elsewhere the fitted line. (The planner asks this hundreds of thousands of times a plan:
+        a measured size is one lookup.)"""
+        measured = self._at_measured.get(microbatch_size)
+        if measured is not None:
+            return measured
         sizes = self.sizes
         if sizes and sizes[0] <= microbatch_size <= sizes[-1]:
             upper = next(i for i, b in enumerate(sizes) if b >= microbatch_size)
