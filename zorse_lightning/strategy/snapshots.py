@@ -74,7 +74,8 @@ class SurvivorSnapshots(pl.Callback):
         self.step_ms = step_ms = statistics.median(self._step_ms)
         self.interval = snapshot_interval(cost_ms, step_ms, self._policy.max_snapshot_cost)
         rank_zero_info(
-            f"zorse: survivor snapshots every {self.interval} steps (a recovery redoes at most {self.interval}): "
+            f"zorse: survivor snapshots every {'step' if self.interval == 1 else f'{self.interval} steps'} (a recovery "
+            f"redoes at most {self.interval}): "
             f"one costs {cost_ms:.1f} ms ({self._take_ms:.1f} on the host, {copy_ms:.1f} copying) against a "
             f"{step_ms:.1f} ms step, at most {100 * self._policy.max_snapshot_cost:g} % of step time "
             f"(RecoveryPolicy(snapshot_every_steps=...) fixes it)"
