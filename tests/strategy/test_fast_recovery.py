@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from zorse_lightning.engine.checkpoint import survivors as fast_recovery
-from zorse_lightning.engine.checkpoint.survivors import KeptIndex, SurvivorKeeper, choose_step
+from zorse_lightning.engine.checkpoint.relaunch import choose_step
+from zorse_lightning.engine.checkpoint.survivors import KeptIndex, SurvivorKeeper
 from zorse_lightning.module.materialize import holds_values
 from testing.launch import free_port, torchrun_variables
 

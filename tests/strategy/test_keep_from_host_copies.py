@@ -257,7 +257,7 @@ def test_on_a_gpu_keep_finishes_while_the_stream_is_blocked(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_a_gpu_the_copy_overlaps_and_the_next_optimizer_step_waits_for_it():
+def test_on_a_gpu_the_copy_overlaps_and_the_next_optimizer_step_waits_for_it(tmp_path):
     """Would catch a snapshot that makes the host wait for its copy, or an optimizer step that changes the weights
     while the copy still reads them: the stream is kept busy, the snapshot returns at once, and what it holds
     is the weights of its step although the step after it ran before the copy could."""
@@ -271,11 +271,5 @@ def test_on_a_gpu_the_copy_overlaps_and_the_next_optimizer_step_waits_for_it():
     _step(module, optimizer)  # queued on the compute stream after a wait on the copy
     torch.cuda.synchronize()
     assert keeper.newest_step == 1
-    kept = _load(keeper.keep(tmp_path_factory_dir(), 0, module, [optimizer]))
+    kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))
     _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
-
-
-def tmp_path_factory_dir() -> Path:
-    import tempfile
-
-    return Path(tempfile.mkdtemp())

@@ -156,11 +156,6 @@ class OverlappedReduction:
         self._in_flight: list[dist.Work] = []
 
     @property
-    def buffer_bytes(self) -> int:
-        """Memory of the flat gradient buffer: the stage's own gradients, held there instead of apart."""
-        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
-
-    @property
     def started(self) -> int:
         """Buckets whose all-reduce has started this step."""
         return len(self._in_flight)

@@ -49,7 +49,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
-from zorse_lightning.engine.checkpoint import shards, survivors
+from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module, host_group
 from zorse_lightning.engine.faults import FaultPolicy, start_watchdog
@@ -642,7 +642,7 @@ class ZorseStrategy(ParallelStrategy):
         if not shards.is_checkpoint_directory(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if self._recovery.enabled:
-            checkpoint, report = survivors.load(
+            checkpoint, report = relaunch.load(
                 checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
             )
             (rank_zero_warn if report.passed_over_survivors else rank_zero_info)(report.message)
