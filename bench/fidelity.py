@@ -162,7 +162,8 @@ def _honest_worker(rank: int, out_dir: Path, config: HonestConfig) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from zorse_lightning.planner.evaluate import CostContext, plan_cost
+    from zorse_lightning.planner.cost.context import CostContext
+    from zorse_lightning.planner.cost.evaluate import plan_cost
     from zorse_lightning.planner.options import PlannerOptions
     from zorse_lightning.planner.search import make_plan
     from zorse_lightning.startup.plan_at_start import within_profiled_sizes

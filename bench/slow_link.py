@@ -51,7 +51,7 @@ synchronisation is made of, bare, among the case's ranks (gloo, one process
 per rank, ``--collective-bytes`` each): an all-reduce, a reduce into each rank
 and a broadcast from each rank, the median of ``--collective-repeats`` between
 barriers, against the cost model's price of the same collective on the same
-inventory (:class:`zorse_lightning.planner.comm.LinkTable`), with the bytes each
+inventory (:class:`zorse_lightning.planner.cost.comm.LinkTable`), with the bytes each
 machine sent over its link. This is the measurement that found what the model
 missed across a slow link (``bench/README.md``). Last line: ``{"collectives":
 [{"case", "collective", "rank", "num_bytes", "measured_ms", "predicted_ms",
@@ -117,7 +117,8 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
     from zorse_lightning.startup.plan_at_start import within_profiled_sizes
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
-    from zorse_lightning.planner.evaluate import CostContext, plan_cost
+    from zorse_lightning.planner.cost.context import CostContext
+    from zorse_lightning.planner.cost.evaluate import plan_cost
     from zorse_lightning.planner.options import PlannerOptions
     from zorse_lightning.planner.search import make_plan
     from testing.launch import leave_world
@@ -214,7 +215,7 @@ def _collectives_worker(cluster_file: str, config: BenchConfig, out_dir: str) ->
     from testing.launch import leave_world
     from testing.netns import uplink_sent_bytes
     from zorse_lightning.cluster.config import load_cluster
-    from zorse_lightning.planner.comm import LinkTable
+    from zorse_lightning.planner.cost.comm import LinkTable
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -222,7 +222,7 @@ def test_cluster_planner_and_profile_modules_do_not_import_torch():
         f"stub.__path__ = [{str(Path(zorse_lightning.__file__).parent)!r}]\n"
         "sys.modules['zorse_lightning'] = stub\n"
         "import zorse_lightning.cluster.config, zorse_lightning.cluster.detection, zorse_lightning.cluster.report\n"
-        "import zorse_lightning.planner.search, zorse_lightning.planner.baselines, zorse_lightning.planner.simulate\n"
+        "import zorse_lightning.planner.search, zorse_lightning.planner.baselines, zorse_lightning.planner.cost.simulate\n"
         "import zorse_lightning.profiling.reference, zorse_lightning.profiling.estimate\n"
         "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
     )

@@ -18,7 +18,7 @@ from testing.netns import NetnsCluster, NetnsMachine
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner.comm import (
+from zorse_lightning.planner.cost.comm import (
     LINK_EFFICIENCY,
     CollectiveBackend,
     LinkTable,

@@ -9,22 +9,23 @@ import pytest
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner.comm import (
+from zorse_lightning.planner.cost.comm import (
     LINK_EFFICIENCY,
     LinkTable,
     ring_all_reduce_ms,
     ring_reduce_scatter_ms,
     transfer_ms,
 )
-from zorse_lightning.planner.compute import (
+from zorse_lightning.planner.cost.compute import (
     pipeline_ms,
     receiving_busy_ms,
     round_trip_busy_ms,
     stage_microbatch_times,
 )
-from zorse_lightning.planner.boundaries import routes
-from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.memory import reserve_gib
+from zorse_lightning.planner.cost.boundaries import routes
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.cost.memory import reserve_gib
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts

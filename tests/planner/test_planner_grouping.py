@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner.comm import LINK_EFFICIENCY, LinkTable
-from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, LinkTable
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.grouping import (
     candidate_layouts,
     fastest_type_subsets,
@@ -18,7 +18,7 @@ from zorse_lightning.planner.grouping import (
     stage_orders,
 )
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.compute import per_sample_layer_ms
+from zorse_lightning.planner.cost.compute import per_sample_layer_ms
 from zorse_lightning.planner.heuristic import speed_by_type
 from zorse_lightning.profiling.profile import BlockTimes, DeviceTimes, ProfileSource, TimeCurve
 

@@ -19,9 +19,9 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, Plan, PlannerOptions, StagePlan, make_plan, plan_cost, simulate
-from zorse_lightning.planner.evaluate import memory_overruns, prediction
+from zorse_lightning.planner.cost.evaluate import memory_overruns, prediction
 from zorse_lightning.planner.interleave_choice import interleaved_if_faster
-from zorse_lightning.planner.simulate import EventKind
+from zorse_lightning.planner.cost.simulate import EventKind
 from zorse_lightning.planner.interleaving import interleave
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 from zorse_lightning.reporting.plan_table import plan_table

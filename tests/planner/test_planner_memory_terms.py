@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from zorse_lightning.capabilities import Sharding
-from zorse_lightning.planner.memory import (
+from zorse_lightning.planner.cost.memory import (
     RankMemory,
     activation_bytes_per_microbatch,
     optimizer_step_bytes,

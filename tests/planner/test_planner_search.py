@@ -12,8 +12,8 @@ from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTED_SHARDING
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, Plan, PlannerOptions, all_baselines, make_plan, plan_cost
-from zorse_lightning.planner.evaluate import memory_overruns
-from zorse_lightning.planner.simulate import simulate
+from zorse_lightning.planner.cost.evaluate import memory_overruns
+from zorse_lightning.planner.cost.simulate import simulate
 
 from test_planner_fixtures import big_cluster, profile_for, synthetic_profile
 

@@ -10,11 +10,11 @@ import pytest
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.grouping import stage_orders
 from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.comm import transfer_ms
+from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
 from zorse_lightning.planner.search import _heuristic_plan, _layouts, _lower_bound_ms
 

@@ -15,23 +15,23 @@ from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, make_plan
-from zorse_lightning.planner.comm import (
+from zorse_lightning.planner.cost.comm import (
     gather_round_ms,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     ring_reduce_scatter_ms,
     ring_sync_ms,
 )
-from zorse_lightning.planner.compute import lockstep_busy_ms
-from zorse_lightning.planner.evaluate import (
-    CostContext,
+from zorse_lightning.planner.cost.compute import lockstep_busy_ms
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import (
     free_memory_shard_fractions,
     gather_round_ms_of,
     memory_overruns,
     plan_cost,
     stage_memory,
 )
-from zorse_lightning.planner.memory import StageParameters, stage_parameter_counts, stage_state_bytes
+from zorse_lightning.planner.cost.memory import StageParameters, stage_parameter_counts, stage_state_bytes
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 

@@ -11,12 +11,10 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, make_plan
-from zorse_lightning.planner.evaluate import (
-    CostContext,
-    plan_cost,
-    update_lower_bound_ms,
-)
-from zorse_lightning.planner.update import (
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import plan_cost
+from zorse_lightning.planner.cost.update import update_lower_bound_ms
+from zorse_lightning.planner.cost.update import (
     ADAM_STEP_BYTES_PER_PARAMETER,
     optimizer_step_ms,
     parameters_updated,

@@ -18,7 +18,7 @@ from zorse_lightning.planner.schedule import (
     play_in_steps,
 )
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.memory import microbatches_in_flight, one_f_one_b_warmup
+from zorse_lightning.planner.cost.memory import microbatches_in_flight, one_f_one_b_warmup
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 

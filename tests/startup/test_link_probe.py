@@ -21,7 +21,7 @@ from zorse_lightning.startup.link_probe import (
     probe_machines,
     with_measured_rates,
 )
-from zorse_lightning.planner.comm import LINK_EFFICIENCY, ring_all_reduce_ms
+from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, ring_all_reduce_ms
 from testing.launch import spawn_ranks
 
 CLUSTER = {

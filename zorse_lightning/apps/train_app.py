@@ -21,7 +21,7 @@ from zorse_lightning.apps.planner_options import planner_options_from_config
 from zorse_lightning.apps.throughput import SamplesPerSecond
 from zorse_lightning.cluster.config import inventory_from_config
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
-from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.reporting.plan_table import plan_table
 from zorse_lightning.reporting.timeline import draw_plan_timeline
 

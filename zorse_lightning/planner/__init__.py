@@ -2,7 +2,7 @@
 
 Entry points: :func:`make_plan` (search + integer program), the baselines of
 :mod:`.baselines`, :func:`simulate` (the engine's programs of a plan as a timeline), and the cost model
-(:func:`plan_cost`, :class:`CostContext`).
+(:func:`plan_cost`, :class:`CostContext`), whose parts live in :mod:`.cost`.
 """
 
 from zorse_lightning.planner.baselines import (
@@ -12,11 +12,12 @@ from zorse_lightning.planner.baselines import (
     fastest_type_alone,
     proportional_heuristic,
 )
-from zorse_lightning.planner.evaluate import CostContext, PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, Prediction, SolverRecord, StagePlan
 from zorse_lightning.planner.search import make_plan
-from zorse_lightning.planner.simulate import EventKind, Timeline, TimelineEvent, simulate
+from zorse_lightning.planner.cost.simulate import EventKind, Timeline, TimelineEvent, simulate
 
 __all__ = [
     "CostContext",

@@ -23,14 +23,14 @@ from dataclasses import replace
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.planner.problem import layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search import make_plan
-from zorse_lightning.planner.simulate import with_simulated_prediction
+from zorse_lightning.planner.cost.simulate import with_simulated_prediction
 from zorse_lightning.profiling.profile import ModelProfile
 
 def _best(plans) -> Plan | None:
@@ -144,7 +144,7 @@ def all_baselines(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> dict[str, Plan | None]:
     """Every baseline by name, in the order reports print them, each predicted as the plan is: by the
-    simulation of the engine's programs (:func:`.simulate.with_simulated_prediction`)."""
+    simulation of the engine's programs (:func:`.cost.simulate.with_simulated_prediction`)."""
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
 
     def simulated(plan: Plan | None) -> Plan | None:

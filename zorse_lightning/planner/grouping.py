@@ -18,7 +18,7 @@ from itertools import combinations
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.comm import LinkTable
+from zorse_lightning.planner.cost.comm import LinkTable
 
 Layout = tuple[tuple[int, ...], ...]
 """Stages in pipeline order, each the sorted global ranks of its GPUs."""

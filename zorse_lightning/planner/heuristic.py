@@ -14,8 +14,9 @@ import heapq
 from dataclasses import replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
-from zorse_lightning.planner.compute import per_sample_layer_ms
-from zorse_lightning.planner.evaluate import CostContext, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.cost.compute import per_sample_layer_ms
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.ilp import AssignmentProblem, layer_options
 from zorse_lightning.planner.plan import Plan, SolverRecord
 from zorse_lightning.planner.problem import (

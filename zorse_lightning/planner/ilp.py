@@ -11,10 +11,10 @@ shares ``N`` microbatches as evenly as possible: the busiest holds
                 + max_{s, g} (q_g * (time[g][k_s] + receive_g) - latency[s][k_s])
                 + max_s tail[s][k_s]
 
-the pipeline formula of :mod:`.compute` (``tail``: the stage's synchronisation
+the pipeline formula of :mod:`.cost.compute` (``tail``: the stage's synchronisation
 and optimizer step after its last backward; ``receive_g``: the transfers a GPU of the
 group waits for per microbatch, which the engine's blocking receives add to its busy
-time, :func:`.compute.receiving_busy_ms`) with each stage's latency taken over all
+time, :func:`.cost.compute.receiving_busy_ms`) with each stage's latency taken over all
 its groups (the cost model takes only GPUs with microbatches, and adds the
 boundaries' busy time and 1F1B's round-trip waits: it prices the solution after).
 Memory of every group: ``fixed[g][k] + activation[g][k] * f_g <= capacity_g``

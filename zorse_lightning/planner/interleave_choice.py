@@ -11,8 +11,8 @@ as the search shards them (:data:`.problem.SEARCH_SHARDING`) and it is priced ag
 
 Two models must agree on the gain, by :data:`.choice.INTERLEAVE_MARGIN`: the closed
 form (the cost model's, which counts the fill and drain as Megatron's interleaved
-order does, :mod:`.chain`) and the event simulation of the engine's own programs,
-the plain plan's against the interleaved one's (:mod:`.simulate`, the same model on
+order does, :mod:`.cost.chain`) and the event simulation of the engine's own programs,
+the plain plan's against the interleaved one's (:mod:`.cost.simulate`, the same model on
 both sides, so the comparison is fair even where the simulation and the closed form
 differ on both). The simulation is the check because the programs are recorded from a
 play in unit steps: where their order departs from Megatron's (uneven shares, a rank's
@@ -30,11 +30,12 @@ from zorse_lightning import capabilities
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.choice import INTERLEAVE_MARGIN
-from zorse_lightning.planner.evaluate import CostContext, PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.interleaving import degrees, interleave
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
-from zorse_lightning.planner.simulate import simulate
+from zorse_lightning.planner.cost.simulate import simulate
 
 MOST_RECORDING_WORK = 2**21
 """Largest ``2 V M R`` (the actions of every program, ``2 V M`` per group of ranks, times the ``R``

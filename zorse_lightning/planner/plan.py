@@ -107,7 +107,7 @@ class Prediction:
     """GPU type -> where its times came from (measured, reference, estimated...)."""
     closed_form_ms: float | None = None
     """The cost model's closed form, which the search ranks candidates by, where ``iteration_ms`` is the
-    simulation of the engine's programs (:func:`~zorse_lightning.planner.simulate.with_simulated_prediction`);
+    simulation of the engine's programs (:func:`~zorse_lightning.planner.cost.simulate.with_simulated_prediction`);
     None: ``iteration_ms`` is the closed form's."""
 
 

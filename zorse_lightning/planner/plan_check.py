@@ -16,7 +16,7 @@ from pathlib import Path
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.memory import stage_state_bytes
+from zorse_lightning.planner.cost.memory import stage_state_bytes
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.units import bytes_to_gib

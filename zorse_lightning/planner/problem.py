@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
-from zorse_lightning.planner.comm import ring_sync_ms, transfer_ms
-from zorse_lightning.planner.evaluate import CostContext, free_memory_shard_fractions, tied_sync_ms
+from zorse_lightning.planner.cost.comm import ring_sync_ms, transfer_ms
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, tied_sync_ms
 from zorse_lightning.planner.grouping import Layout, unused_ranks
 from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
-from zorse_lightning.planner.memory import one_f_one_b_warmup, profile_state_bytes, stage_state_bytes
+from zorse_lightning.planner.cost.memory import one_f_one_b_warmup, profile_state_bytes, stage_state_bytes
 from zorse_lightning.planner.plan import Plan, StagePlan
-from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated
+from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
 
 
 SEARCH_SHARDING = Sharding.OPTIMIZER_GRADIENTS
@@ -114,7 +115,7 @@ def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[i
     over the slowest link to each neighbouring stage: the activation from the previous stage with
     the gradient it sent there ahead of its notice, and the gradient from the next stage.
 
-    The engine's receives block (:func:`.compute.receiving_busy_ms`), so these waits add to the
+    The engine's receives block (:func:`.cost.compute.receiving_busy_ms`), so these waits add to the
     stage's busy time per microbatch as its compute does: splits that balance compute alone leave
     the stages with the most or slowest transfers (the middle ones, across slow links) busiest.
     """
@@ -127,7 +128,7 @@ def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[i
 def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
     """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds, the
     engine's own time of the microbatch's two actions (forward and backward) counted in its time where the
-    host does not overlap the device (on CUDA it hides under the compute, as :func:`.compute.stage_microbatch_times` prices it)."""
+    host does not overlap the device (on CUDA it hides under the compute, as :func:`.cost.compute.stage_microbatch_times` prices it)."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
     time = 0.0 if device.host_overlaps_device else 2 * ctx.action_overhead_ms(gpu_type)
     params = act = 0.0

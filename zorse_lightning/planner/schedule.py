@@ -8,7 +8,7 @@ matches point-to-point messages by order, not by tag). Whether a program can
 deadlock is then only a question of waiting: :func:`play_in_steps` runs all
 programs step by step with unbounded send buffers (sends are asynchronous in the
 executor) and raises if some rank can never proceed. The timeline picture plays
-these same programs in event time (:mod:`.simulate`).
+these same programs in event time (:mod:`.cost.simulate`).
 
 Pure Python: no torch.
 """
@@ -20,7 +20,7 @@ from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.memory import one_f_one_b_warmup
+from zorse_lightning.planner.cost.memory import one_f_one_b_warmup
 from zorse_lightning.planner.plan import Plan
 
 

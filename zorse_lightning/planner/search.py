@@ -26,7 +26,7 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
    (:func:`_gathered_per_microbatch`).
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
-smaller (see :mod:`.compute`).
+smaller (see :mod:`.cost.compute`).
 
 To measure what the integer programs add, pass a :class:`ProgramLog` to
 :func:`make_plan`: it receives one :class:`ProgramRun` per program solved (the
@@ -43,8 +43,8 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
 from zorse_lightning.planner.choice import Choice
-from zorse_lightning.planner.evaluate import (
-    CostContext,
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import (
     memory_overruns,
     plan_cost,
     prediction,
@@ -58,7 +58,7 @@ from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.interleave_choice import MOST_RECORDING_WORK, interleaved_if_faster
-from zorse_lightning.planner.simulate import with_simulated_prediction
+from zorse_lightning.planner.cost.simulate import with_simulated_prediction
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -76,7 +76,7 @@ from zorse_lightning.planner.problem import (
 )
 from zorse_lightning.planner.program_log import ProgramLog, ProgramRun
 from zorse_lightning.planner.rounding import proportional_counts
-from zorse_lightning.planner.update import update_lower_bound_ms
+from zorse_lightning.planner.cost.update import update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 
 

@@ -114,7 +114,7 @@ class DeviceTimes:
     optimizer_ms_per_million_parameters: float | None = None
     """Optimizer step time per million parameters it updates, measured on the device;
     None: the planner estimates it from the GPU type's memory bandwidth
-    (:func:`zorse_lightning.planner.update.optimizer_step_ms`)."""
+    (:func:`zorse_lightning.planner.cost.update.optimizer_step_ms`)."""
     action_overhead_ms: float | None = None
     """The engine's own time per action (one microbatch's forward or backward on a stage) beyond the
     blocks' compute, measured at start-up on this type's device; None: not measured (reference and
@@ -171,7 +171,7 @@ class ModelProfile:
     tied_embedding_head: bool = False
     weight_dtype: str | None = None
     """The dtype the weights and gradients are held in while training (float32 under autocast, whatever
-    ``dtype``); None: the mixed-precision accounting of :mod:`zorse_lightning.planner.memory` for ``dtype``."""
+    ``dtype``); None: the mixed-precision accounting of :mod:`zorse_lightning.planner.cost.memory` for ``dtype``."""
     optimizer: OptimizerProfile | None = None
     """The user's optimizer as measured; None: Adam's state and no step temporaries assumed."""
 

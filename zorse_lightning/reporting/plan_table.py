@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from rich.console import Console
 from rich.table import Table
 
-from zorse_lightning.planner.evaluate import CostContext, plan_cost
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import plan_cost
 from zorse_lightning.planner.plan import Plan, StagePlan
 from zorse_lightning.units import bytes_to_gib
 

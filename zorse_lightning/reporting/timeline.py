@@ -1,5 +1,5 @@
 """Draw one iteration of a plan: a row per GPU, bars for forward, backward, communication
-and the optimizer step, from :func:`zorse_lightning.planner.simulate`, which plays the
+and the optimizer step, from :func:`zorse_lightning.planner.cost.simulate`, which plays the
 engine's own per-rank programs, so the picture shows the order the engine runs.
 
 On an interleaved plan each row names its group's stages (chunks), and the forwards
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from zorse_lightning.planner.evaluate import CostContext
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.plan import Plan
-from zorse_lightning.planner.simulate import simulate
+from zorse_lightning.planner.cost.simulate import simulate
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
 """Drawn full height; every other kind is communication."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.comm import LINK_EFFICIENCY, ring_all_reduce_ms
+from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, ring_all_reduce_ms
 from zorse_lightning.profiling.timing import TimingOptions, time_ms
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
@@ -63,8 +63,8 @@ class MachineAllReduce:
 
 
 def effective_bandwidth_gbps(num_bytes: float, num_ranks: int, measured_ms: float, latency_us: float) -> float:
-    """The link rate at which :func:`~zorse_lightning.planner.comm.ring_all_reduce_ms`, after
-    :data:`~zorse_lightning.planner.comm.LINK_EFFICIENCY`, takes ``measured_ms`` (inf when latency
+    """The link rate at which :func:`~zorse_lightning.planner.cost.comm.ring_all_reduce_ms`, after
+    :data:`~zorse_lightning.planner.cost.comm.LINK_EFFICIENCY`, takes ``measured_ms`` (inf when latency
     alone explains it)."""
     transfer_ms = measured_ms - ring_all_reduce_ms(num_bytes, num_ranks, math.inf, latency_us)
     if transfer_ms <= 0:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zorse_lightning.planner.comm import transfer_ms
+from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.plan import Plan, StagePlan
 
 if TYPE_CHECKING:
-    from zorse_lightning.planner.evaluate import CostContext
+    from zorse_lightning.planner.cost.context import CostContext
 
 
 @dataclass(frozen=True)

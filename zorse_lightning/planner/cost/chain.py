@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zorse_lightning.capabilities import Schedule
-from zorse_lightning.planner.boundaries import BoundaryCost, receive_ms_per_microbatch
-from zorse_lightning.planner.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
-from zorse_lightning.planner.memory import microbatches_in_flight
+from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per_microbatch
+from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
+from zorse_lightning.planner.cost.memory import microbatches_in_flight
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.schedule import one_f_one_b_limit
 
 if TYPE_CHECKING:
-    from zorse_lightning.planner.evaluate import CostContext, StageCost
+    from zorse_lightning.planner.cost.context import CostContext, StageCost
 
 
 def pipeline_elements(

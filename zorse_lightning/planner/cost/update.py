@@ -19,7 +19,7 @@ from zorse_lightning.profiling.profile import DeviceTimes
 from zorse_lightning.units import gbps_to_bytes_per_s
 
 if TYPE_CHECKING:
-    from zorse_lightning.planner.evaluate import CostContext
+    from zorse_lightning.planner.cost.context import CostContext
 
 ADAM_STEP_BYTES_PER_PARAMETER = 28
 """Memory traffic of one Adam(W) step per parameter, the same in both precisions.

@@ -2,7 +2,7 @@
 step of one iteration, from an event simulation of the engine's own programs (someone
 else draws it).
 
-Each rank plays its program from :func:`.schedule.build_schedule`, the action lists
+Each rank plays its program from :func:`..schedule.build_schedule`, the action lists
 the engine executes, in their order: the picture shows what runs, not a schedule of
 its own. An action starts when its rank has ended the previous one and the message it
 needs (an activation from the previous stage, a gradient from the next) has arrived.
@@ -13,7 +13,7 @@ way, behind what is queued there), and one at a time per link and direction. Per
 times, transfer times, synchronisation and optimizer step times are the cost model's
 (:mod:`.evaluate`); the stage's synchronisation starts when its last rank ends its
 last backward, and each rank's optimizer step when the synchronisation ends. The
-programs passed :func:`.schedule.play_in_steps`, which needs every message at the head
+programs passed :func:`..schedule.play_in_steps`, which needs every message at the head
 of its channel; this play needs it only sent, so it cannot stall.
 
 Relationship to the cost model's ``iteration_ms`` (tested): equal when stages have no
@@ -43,10 +43,11 @@ import heapq
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from zorse_lightning.planner.comm import transfer_ms
-from zorse_lightning.planner.compute import MicrobatchTimes
-from zorse_lightning.planner.boundaries import boundary_message_bytes
-from zorse_lightning.planner.evaluate import CostContext, PlanCost, plan_cost, prediction, schedule_programs
+from zorse_lightning.planner.cost.comm import transfer_ms
+from zorse_lightning.planner.cost.compute import MicrobatchTimes
+from zorse_lightning.planner.cost.boundaries import boundary_message_bytes
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction, schedule_programs
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.schedule import Action, ActionKind, Message, messages_of
 

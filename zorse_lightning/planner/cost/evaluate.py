@@ -13,28 +13,25 @@ plan is the case V = 1 of the same formulas, priced exactly as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from zorse_lightning.capabilities import Sharding
-from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.boundaries import BoundaryCost, boundary_cost
-from zorse_lightning.planner.chain import pipeline_elements
-from zorse_lightning.planner.comm import LinkTable, gather_round_ms, stage_sync_ms
-from zorse_lightning.planner.compute import (
-    MicrobatchTimes,
+from zorse_lightning.planner.cost.boundaries import BoundaryCost, boundary_cost
+from zorse_lightning.planner.cost.chain import pipeline_elements
+from zorse_lightning.planner.cost.comm import gather_round_ms, stage_sync_ms
+from zorse_lightning.planner.cost.context import CostContext, StageCost
+from zorse_lightning.planner.cost.compute import (
     lockstep_busy_ms,
     pipeline_ms,
     stage_busy_ms,
     stage_latency_ms,
-    stage_microbatch_times,
 )
-from zorse_lightning.planner.memory import (
+from zorse_lightning.planner.cost.memory import (
     RankMemory,
     StageParameters,
     activation_bytes_per_microbatch,
     combined_parameters,
     microbatches_in_flight,
-    reserve_gib,
     shard_fractions_by_free_memory,
     stage_parameter_counts,
     optimizer_step_bytes,
@@ -44,79 +41,8 @@ from zorse_lightning.planner.memory import (
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
 from zorse_lightning.planner.schedule import Action, ActionKind, build_schedule
-from zorse_lightning.planner.update import optimizer_step_ms, parameters_updated, update_lower_bound_ms
-from zorse_lightning.profiling.profile import ModelProfile
-from zorse_lightning.units import bytes_to_gib, gib_to_bytes
-
-__all__ = ["update_lower_bound_ms"]  # re-exported: it lived here
-
-
-@dataclass(frozen=True)
-class CostContext:
-    """What pricing a plan needs besides the plan itself."""
-
-    inventory: ClusterInventory
-    profile: ModelProfile
-    links: LinkTable
-    reserves_bytes: tuple[float, ...]
-    """Framework reserve per rank (see :func:`reserve_gib`)."""
-    capacities_bytes: tuple[float, ...]
-    _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
-    """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
-    _programs: dict = field(default_factory=dict, compare=False, repr=False)
-    """Memo of :func:`schedule_programs`: an interleaved plan's programs, recorded once for its
-    memory and its simulation (a play of the 1F1B schedule takes seconds at 1024 GPUs)."""
-
-    def microbatch_times(
-        self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool
-    ) -> MicrobatchTimes:
-        """:func:`stage_microbatch_times` of this context's profile, computed once per arguments."""
-        key = (gpu_type, layers, microbatch_size, first, last, recompute)
-        if key not in self._microbatch_times:
-            self._microbatch_times[key] = stage_microbatch_times(
-                self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
-                action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
-            )
-        return self._microbatch_times[key]
-
-    def action_overhead_ms(self, gpu_type: str) -> float:
-        """The engine's own time per action beyond compute on ``gpu_type``, as start-up measured it on
-        every rank of that type (:attr:`~zorse_lightning.profiling.profile.DeviceTimes.action_overhead_ms`);
-        0 where nothing measured it (reference and estimated profiles)."""
-        return self.profile.times(gpu_type).action_overhead_ms or 0.0
-
-    @classmethod
-    def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
-        """``memory_reserve_gib`` None: 0.5 GiB per real GPU, scaled on emulated clusters."""
-        reserves = tuple(
-            gib_to_bytes(reserve_gib(g.memory_gib, g.gpu_type.memory_gib, inventory.emulated, memory_reserve_gib))
-            for g in inventory.gpus
-        )
-        return cls(inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus))
-
-    def reserve_bytes(self, rank: int) -> float:
-        return self.reserves_bytes[rank]
-
-    def capacity_bytes(self, rank: int) -> float:
-        return self.capacities_bytes[rank]
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's costs. On an interleaved plan the stage is a chunk: ``times``, ``busy_ms``
-    and ``latency_ms`` are the chunk's own, while ``sync_ms``, ``memory`` and ``update_ms`` are
-    its ranks' (every chunk of their group, the same in each of the group's chunks)."""
-
-    times: tuple[MicrobatchTimes, ...]
-    """One microbatch on each rank of the stage."""
-    busy_ms: float
-    """Its slowest rank's work per iteration, with the gathers of per-microbatch sharding."""
-    latency_ms: float
-    sync_ms: float
-    memory: tuple[RankMemory, ...]
-    update_ms: tuple[float, ...]
-    """Each rank's optimizer step (:func:`stage_update_ms`), in the order of the stage's ranks."""
-
+from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
+from zorse_lightning.units import bytes_to_gib
 
 @dataclass(frozen=True)
 class PlanCost:
@@ -278,7 +204,7 @@ def stage_memory(
 
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
-    """The engine's programs of ``plan`` (:func:`.schedule.build_schedule`, validated), once per
+    """The engine's programs of ``plan`` (:func:`..schedule.build_schedule`, validated), once per
     plan shape in this context (a plan's sharding and prediction do not change them)."""
     key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank, s.layers) for s in plan.stages))
     if key not in ctx._programs:
