@@ -57,14 +57,30 @@ def test_plan_app_unknown_model_lists_known_names(run_app, tmp_path: Path):
     assert code == 2 and "llama_7b" in err and "Traceback" not in err
 
 
-def test_plan_app_profiles_a_lightning_module_config(run_app, tmp_path: Path):
+def test_plan_app_profiles_a_lightning_module_config(run_app, tmp_path: Path, monkeypatch):
+    """Profiled as start-up profiles it: at every size a rank's batch allows (8 samples: 1, 2, 4 and 8, not
+    only 1 and 2 as the app once did), and planned at a measured size only."""
+    from zorse_lightning.apps import plan_app
     from zorse_lightning.apps.plan_app import main
 
-    code, _, err = run_app(
-        main, "cluster=cpu_sim4", "model=gpt_tiny", "model.layers=2", "global_batch_size=32", f"hydra.run.dir={tmp_path}"
+    profiled = []
+    original = plan_app.profile_from_config
+
+    def recorded(*args, **kwargs):
+        profiled.append(original(*args, **kwargs))
+        return profiled[-1]
+
+    monkeypatch.setattr(plan_app, "profile_from_config", recorded)
+    code, out, err = run_app(
+        main, "cluster=cpu_sim4", "model=gpt_tiny", "model.layers=2", "data.batch_size=8", "global_batch_size=32",
+        f"hydra.run.dir={tmp_path}",
     )
     assert code == 0, err
     plan = json.loads((tmp_path / "plan.json").read_text())
+    (measured,) = profiled
+    assert measured.sizes == (1, 2, 4, 8) and measured.profile.measured_sizes == (1, 2, 4, 8)
+    assert plan["microbatch_size"] in measured.sizes
+    assert "microbatch sizes [16, 32] not considered" in " ".join(out.split())  # the candidates left out, said
     # measured on this CPU, each type slowed by its emulation: the A100 rank gets the largest share
     assert set(plan["predicted"]["profile_source"].values()) == {"measured"}
     shares = {}

@@ -224,87 +224,70 @@ def test_estimated_profile_rejects_bad_shapes():
 
 # --- measured profiles ----------------------------------------------------------------------
 
+_MODEL = {
+    "_target_": "zorse_lightning.models.gpt.GPT", "vocab_size": 256, "seq_len": 8, "width": 16, "layers": 2,
+    "heads": 2,
+}
+_DATA = {
+    "_target_": "zorse_lightning.data.datamodule.ByteCorpusDataModule", "seq_len": 8, "batch_size": 4,
+    "corpus_bytes": 20_000, "val_fraction": 0.05, "seed": 0,
+}
 
-def _tiny_model():
+
+def _start_up_profile(inventory, batch):
+    """What start-up measures: ``run_startup`` itself, on one rank (a one-process gloo group)."""
+    from contextlib import nullcontext
+
     import torch
-    from torch import nn
+    import torch.distributed as dist
+    from hydra.utils import instantiate
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(16, 100)
+    from zorse_lightning.planner.options import PlannerOptions
+    from zorse_lightning.startup.plan_at_start import StartupInputs, run_startup
+    from zorse_lightning.startup.step_costs import optimizer_factory
+    from zorse_lightning.strategy.trainer_inputs import quiet_training_step
 
-        def forward(self, h):
-            return self.proj(h).logsumexp(-1).mean()
-
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2)]
-    return nn.Embedding(100, 16), blocks, Head(), torch.randint(0, 100, (1, 8))
-
-
-def test_measured_profile_of_a_tiny_module_on_cpu(tmp_path):
-    from zorse_lightning.profiling.measure import MeasureOptions, assemble_profile, measure_blocks
-
-    embedding, blocks, head, tokens = _tiny_model()
-    options = MeasureOptions(max_microbatch_size=3, warmup=1, repeats=3)
-    kwargs = dict(before=embedding, after=head, options=options, cache_dir=tmp_path)
-    first = measure_blocks(blocks, tokens, **kwargs)
-    assert not first.from_cache and first.seq_len == 8 and first.times.gpu_type == "cpu"
-    assert first.times.source is ProfileSource.MEASURED and len(first.layers) == 2
-    for times in (first.times.embedding, *first.times.layers, first.times.head):
-        assert len(times.forward.measured_ms) == 3
-        assert all(t > 0 for t in times.forward.measured_ms + times.backward.measured_ms)
-    layer = first.layers[0]
-    assert layer.parameters == 16 * 32 + 32 + 32 * 16 + 16
-    assert (first.embedding.parameters, first.head.parameters) == (100 * 16, 16 * 100 + 100)
-    # Saved for backward, per sample of 8 tokens in float32: the first Linear's input (8x16),
-    # GELU's input (8x32) and the second Linear's input (8x32).
-    assert layer.activation_bytes_per_sample == (8 * 16 + 8 * 32 + 8 * 32) * 4
-    assert layer.output_bytes_per_sample == 8 * 16 * 4
-    assert layer.forward_flops_per_sample == 2 * 2 * 8 * 16 * 32
-    assert all(p.grad is None for b in blocks for p in b.parameters())
-
-    second = measure_blocks(blocks, tokens, **kwargs)
-    assert second.from_cache and second.times == first.times and second.layers == first.layers
-    assert len(list(tmp_path.glob("*.json"))) == 1
-
-    emulated = measure_blocks(blocks, tokens, gpu_type="t4", **kwargs)
-    assert not emulated.from_cache
-    profile = assemble_profile([first, emulated], model="tiny")
-    assert set(profile.devices) == {"cpu", "t4"} and profile.num_layers == 2
-    assert profile.total_parameters == 2 * 1072 + 1600 + 1700
-    longer = measure_blocks(blocks, tokens.repeat(1, 2), **kwargs)
-    with pytest.raises(PlanningError, match="seq_len=16"):
-        assemble_profile([first, longer])
+    module = instantiate(_MODEL)
+    inputs = StartupInputs(
+        module, inventory, rank=0, world_size=1, device=torch.device("cpu"), global_batch_size=4,
+        planner_options=PlannerOptions(), optimizer=optimizer_factory(module.configure_optimizers()),
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return run_startup(inputs, batch, quiet_training_step(module, nullcontext))
+    finally:
+        dist.destroy_process_group()
 
 
-def test_measured_blocks_alone_give_zero_size_ends(tmp_path):
-    import torch
+def test_the_plan_apps_profile_of_a_module_is_what_start_up_measures():
+    """The plan app once profiled a module its own way (a repeated sample at sizes 1 and 2, no step edges,
+    no optimizer, no time per action); now it runs start-up's measurement, so both profiles have one form."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
-    from zorse_lightning.profiling.measure import MeasureOptions, measure_blocks
+    from zorse_lightning.apps.module_profile import measured_module_profile
+    from zorse_lightning.cluster import ClusterInventory, Machine
+    from zorse_lightning.planner.options import PlannerOptions
 
-    _, blocks, _, _ = _tiny_model()
-    hidden = torch.randn(1, 8, 16)
-    measured = measure_blocks(blocks, hidden, options=MeasureOptions(2, 0, 1), cache_dir=None)
-    assert measured.embedding.parameters == measured.head.parameters == 0
-    assert measured.times.head.forward.at(4) == pytest.approx(1e-3)
-    assert len(measured.layers) == 2 and measured.layers[1].parameters == 1072
-    with pytest.raises(PlanningError, match="batch dimension of 1"):
-        measure_blocks(blocks, torch.randn(2, 8, 16), cache_dir=None)
+    inventory = ClusterInventory("one_t4", (Machine("m0", (DEFAULT_CATALOG.get("t4"),), 100.0),), emulated=True)
+    data = instantiate(_DATA)
+    data.setup("fit")
+    started = _start_up_profile(inventory, next(iter(data.train_dataloader())))
+    planned = measured_module_profile(OmegaConf.create(_MODEL), OmegaConf.create(_DATA), inventory, PlannerOptions())
 
-
-def test_cached_measurement_keeps_the_optimizer_rate_and_reads_files_without_it():
-    from dataclasses import replace
-
-    from zorse_lightning.profiling.measure import MeasuredBlocks
-    from zorse_lightning.profiling.measure_cache import from_json, to_json
-    from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, TimeCurve
-
-    times = BlockTimes(TimeCurve(1.0, 0.5, (1.5, 2.5)), TimeCurve(2.0, 1.0))
-    shape = BlockShape("layer", 10, 20, 30, 40.0)
-    device = DeviceTimes("t4", ProfileSource.MEASURED, times, (times, times), times, optimizer_ms_per_million_parameters=6.0)
-    measured = MeasuredBlocks("sig", 8, "float32", device, shape, (shape, shape), shape)
-    stored = json.loads(json.dumps(to_json(measured)))
-    assert from_json(stored) == replace(measured, from_cache=True)
-    del stored["optimizer_ms_per_million_parameters"]  # a file written before the field existed
-    assert from_json(stored).times == replace(device, optimizer_ms_per_million_parameters=None)
+    ours, theirs = planned.profile, started.profile
+    assert planned.sizes == ours.measured_sizes == theirs.measured_sizes == (1, 2, 4)  # batch_size 4: all of it
+    assert "4 samples per rank" in planned.why_not
+    assert (ours.embedding, ours.layers, ours.head) == (theirs.embedding, theirs.layers, theirs.head)
+    for edge in (ours.embedding, ours.head):  # the edges: their parameters and what they save for backward
+        assert edge.parameters > 0 and edge.activation_bytes_per_sample + edge.activation_bytes_per_microbatch > 0
+    assert (ours.seq_len, ours.dtype, ours.weight_dtype, ours.tied_embedding_head) == (
+        theirs.seq_len, theirs.dtype, theirs.weight_dtype, theirs.tied_embedding_head)
+    assert ours.optimizer is not None and ours.optimizer.name == theirs.optimizer.name == "torch.optim.adamw.AdamW"
+    assert ours.optimizer.state_bytes_per_parameter == theirs.optimizer.state_bytes_per_parameter == 8.0
+    mine, start = ours.times("t4"), theirs.times("t4")
+    assert mine.source is start.source is ProfileSource.MEASURED
+    for times in (mine, start):
+        assert times.action_overhead_ms > 0 and times.optimizer_ms_per_million_parameters > 0
+        for curve in (times.embedding.forward, times.head.backward, times.layers[-1].backward):
+            assert curve.measured_sizes == (1, 2, 4) and all(t > 0 for t in curve.measured_ms)

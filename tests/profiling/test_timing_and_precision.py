@@ -10,7 +10,7 @@ from torch import nn
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling import timing
 from zorse_lightning.profiling.measure import MeasureOptions, measure_block_calls
-from zorse_lightning.startup.plan_at_start import training_dtypes
+from zorse_lightning.startup.device_profile import training_dtypes
 
 
 class _Clock:
@@ -104,4 +104,4 @@ def test_sizes_stop_at_the_first_that_does_not_fit():
     assert measured.times.layers[0].forward.measured_sizes == (1, 2)
     block.forward = lambda x: (_ for _ in ()).throw(torch.OutOfMemoryError("no room"))
     with pytest.raises(PlanningError, match="a microbatch of 1 sample"):
-        measure_block_calls(block, calls, device=torch.device("cpu"), gpu_type="cpu", options=MeasureOptions(1, 1, 1))
+        measure_block_calls(block, calls, device=torch.device("cpu"), gpu_type="cpu", options=MeasureOptions(1, 1))

@@ -16,7 +16,8 @@ from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.startup import type_profile
-from zorse_lightning.startup.plan_at_start import block_calls, sizes_to_profile, within_profiled_sizes
+from zorse_lightning.startup.device_profile import block_calls
+from zorse_lightning.startup.profiled_sizes import sizes_to_profile, within_profiled_sizes
 from zorse_lightning.strategy.trainer_inputs import quiet_training_step
 
 

@@ -1,10 +1,14 @@
 """The planning app: compose cluster + model + planner options, plan, print, save.
 
-Writes ``plan.json`` and ``timeline.png`` into the Hydra run directory.
+A LightningModule config is profiled as start-up profiles it, and planned, as
+start-up plans, only at the microbatch sizes that profile measured (the plan's
+notes name those left out). Writes ``plan.json`` and ``timeline.png`` into the
+Hydra run directory.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -20,14 +24,19 @@ from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling import warn_if_mixed_sources
 from zorse_lightning.reporting.plan_table import print_plan
 from zorse_lightning.reporting.timeline import draw_plan_timeline
+from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
 
 
 @report_user_errors
 def _run(cfg: DictConfig) -> None:
     inventory = inventory_from_config(cfg.cluster)
-    profile = profile_from_config(cfg.model, inventory, cfg.get("data"))
     options = planner_options_from_config(cfg.planner)
+    profiled = profile_from_config(cfg.model, inventory, options, cfg.get("data"))
+    profile = profiled.profile
+    options, size_note = within_profiled_sizes(options, profiled.sizes, profiled.why_not)
     plan = make_plan(inventory, profile, int(cfg.global_batch_size), options)
+    if size_note:
+        plan = replace(plan, notes=(*plan.notes, size_note))
     warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
     baselines = all_baselines(inventory, profile, int(cfg.global_batch_size), options)

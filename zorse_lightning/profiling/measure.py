@@ -1,44 +1,33 @@
-"""Measured profiles: time the blocks of a real module on the local device (the most trusted source).
+"""Measured profiles: time one block of a real module on the local device (the most trusted source).
 
-The caller (the engine, on each rank) finds the model's block list and passes
-it here with one example sample. Each block is timed on the output of the
-block before it, at each microbatch size asked for up to the first that does
-not fit (the one harness of :mod:`.timing`: CUDA events on a GPU, warm-up
-until the time settles, the median of back-to-back repeats), forward and
-backward separately, every forward inside the precision plugin's forward
-context (autocast: the precision that trains); the measured points are kept
-and a line is fitted through them. Sizes come from the real module: parameters
-counted, activation bytes from the tensors autograd saves for backward
+Start-up (and the plan app, which profiles a module the same way:
+:mod:`zorse_lightning.startup.device_profile`) captures what block 0 receives
+in the user's own step at each microbatch size and passes those calls here.
+The block is timed on them, at each size up to the first that does not fit
+(the one harness of :mod:`.timing`: CUDA events on a GPU, warm-up until the
+time settles, the median of back-to-back repeats), forward and backward
+separately, every forward inside the precision plugin's forward context
+(autocast: the precision that trains); the measured points are kept and a line
+is fitted through them. Sizes come from the real module: parameters counted,
+activation bytes from the tensors autograd saves for backward
 (``saved_tensors_hooks``; parameters excluded, each storage counted once) as a
 line with its intercept (autocast's weight copies, once per microbatch),
-output bytes from the output, FLOPs from ``torch.utils.flop_counter``.
-
-Choice for the parts outside the block list: ``before`` (e.g. the embedding)
-and ``after`` (e.g. the head and loss) are optional modules; when given they
-are timed and sized like blocks, ``before`` receiving the example input; when
-left out they are zero-size blocks with zero time (``TimeCurve`` floors them at
-``MIN_BLOCK_TIME_MS``) and the example input goes straight to the first block.
-
-Results are cached on disk as JSON, keyed by the model signature (hash of the
-module class names and parameter names, shapes and dtypes), GPU type, dtype,
-sequence length and microbatch range, so a restart does not re-measure. Torch
-is imported inside the functions: importing this module stays cheap.
+output bytes from the output, FLOPs from ``torch.utils.flop_counter``. The
+parts of the step outside the block list are timed around the whole step
+(:mod:`zorse_lightning.startup.step_costs`), not here. Torch is imported
+inside the functions: importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.profiling.measure_cache import DEFAULT_CACHE_DIR, cache_path, from_json, to_json
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 from zorse_lightning.profiling.timing import PhaseMarks, TimingOptions, time_phases
 
@@ -55,8 +44,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MeasureOptions:
-    max_microbatch_size: int = 4
-    """Times are taken at microbatch sizes 1..this."""
+    """How long a block is timed at each size (the sizes are the calls given)."""
+
     warmup: int = 2
     """Untimed runs per block and size (allocator, cuDNN autotuning, lazy init)."""
     repeats: int = 5
@@ -69,10 +58,9 @@ class MeasureOptions:
                              repeats=self.repeats)
 
     def __post_init__(self) -> None:
-        if self.max_microbatch_size < 1 or self.warmup < 0 or self.repeats < 1:
+        if self.warmup < 0 or self.repeats < 1:
             raise PlanningError(
-                f"MeasureOptions{(self.max_microbatch_size, self.warmup, self.repeats)}: need "
-                f"max_microbatch_size >= 1, warmup >= 0 and repeats >= 1"
+                f"MeasureOptions(warmup={self.warmup}, repeats={self.repeats}): need warmup >= 0 and repeats >= 1"
             )
 
 
@@ -81,24 +69,21 @@ class MeasuredBlocks:
     """What one device type measured: its times, and the (device-independent) block sizes."""
 
     signature: str
+    """:func:`model_signature` of the block measured: measurements of other blocks are not assembled."""
     seq_len: int
     dtype: str
     times: DeviceTimes
     embedding: BlockShape
     layers: tuple[BlockShape, ...]
     head: BlockShape
-    from_cache: bool = False
 
 
-def model_signature(blocks: Sequence[Any], before: Any = None, after: Any = None) -> str:
+def model_signature(blocks: Sequence[Any]) -> str:
     """Hash of module class names and parameter names, shapes and dtypes (16 hex digits)."""
     parts = []
-    for role, modules in (("before", [before]), ("block", blocks), ("after", [after])):
-        for module in modules:
-            if module is None:
-                continue
-            parts.append(role + ":" + ",".join(type(m).__qualname__ for m in module.modules()))
-            parts.extend(f"{n}{tuple(p.shape)}{p.dtype}" for n, p in module.named_parameters())
+    for module in blocks:
+        parts.append("block:" + ",".join(type(m).__qualname__ for m in module.modules()))
+        parts.extend(f"{n}{tuple(p.shape)}{p.dtype}" for n, p in module.named_parameters())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -196,99 +181,6 @@ def _fit(sizes: Sequence[int], times_ms: Sequence[float]) -> TimeCurve:
 
 
 _ZERO_TIMES = BlockTimes(TimeCurve(0.0, 0.0), TimeCurve(0.0, 0.0))
-
-
-def _default_gpu_type(device: torch.device) -> str:
-    from zorse_lightning.cluster.catalog import DEFAULT_CATALOG
-    from zorse_lightning.cluster.detection import local_device_report
-
-    report = local_device_report(device)
-    if report is None:
-        return device.type
-    found = DEFAULT_CATALOG.find(report.name)
-    return found.name if found is not None else report.name
-
-
-def measure_blocks(
-    blocks: Sequence[Any],
-    example_input: torch.Tensor,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: str = "float32",
-    gpu_type: str | None = None,
-    seq_len: int | None = None,
-    before: Any = None,
-    after: Any = None,
-    options: MeasureOptions = MeasureOptions(),
-    cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
-    forward_context: ForwardContext = nullcontext,
-) -> MeasuredBlocks:
-    """Time and size each block of ``blocks`` (modules already on ``device`` in ``dtype``).
-
-    ``example_input``: one sample (batch dimension of size 1) for ``before``, or
-    for the first block when ``before`` is None; floating inputs are cast to
-    ``dtype``. ``gpu_type`` names the times (default: the catalog name of the CUDA
-    device, else the device type, e.g. ``"cpu"``; emulated ranks pass the type
-    they emulate). ``seq_len`` defaults to the input's second dimension.
-    ``cache_dir=None`` disables the cache. Every forward runs inside ``forward_context`` (the
-    precision plugin's: autocast), with ``dtype`` then the dtype it computes in.
-    """
-    import torch
-
-    from zorse_lightning.profiling.estimate import bytes_per_element
-
-    bytes_per_element(dtype)
-    device = torch.device(device)
-    if example_input.ndim < 1 or example_input.shape[0] != 1:
-        raise PlanningError(
-            f"example_input has shape {tuple(example_input.shape)}: "
-            f"give one sample, with a leading batch dimension of 1"
-        )
-    if not blocks:
-        raise PlanningError("measure_blocks needs at least one block (the model's repeated layers)")
-    seq_len = seq_len or (example_input.shape[1] if example_input.ndim >= 2 else 1)
-    signature = model_signature(blocks, before, after)
-    gpu_type = gpu_type or _default_gpu_type(device)
-    path = None if cache_dir is None else cache_path(Path(cache_dir), signature, gpu_type, dtype, seq_len, options)
-    if path is not None and path.exists():
-        return from_json(json.loads(path.read_text()))
-
-    x = example_input.to(device)
-    if x.is_floating_point():
-        x = x.to(getattr(torch, dtype))
-    chain = [("embedding", before)] if before is not None else []
-    chain += [(f"layer{i}", b) for i, b in enumerate(blocks)]
-    chain += [("head", after)] if after is not None else []
-    sizes = tuple(range(1, options.max_microbatch_size + 1))
-    measured = _measure_chain(chain, lambda b: ((torch.cat([x] * b),), {}), sizes, options, device, forward_context)
-    times = [
-        BlockTimes(_fit(measured.sizes, f), _fit(measured.sizes, b))
-        for f, b in zip(measured.forward_ms, measured.backward_ms)
-    ]
-    shapes = [BlockShape(name, *sizes) for (name, _), sizes in zip(chain, measured.block_sizes)]
-    zero_shape = BlockShape("none", 0, 0, 0, 0.0)
-    first, last = int(before is not None), len(chain) - int(after is not None)
-    result = MeasuredBlocks(
-        signature=signature,
-        seq_len=seq_len,
-        dtype=dtype,
-        times=DeviceTimes(
-            gpu_type,
-            ProfileSource.MEASURED,
-            times[0] if before is not None else _ZERO_TIMES,
-            tuple(times[first:last]),
-            times[-1] if after is not None else _ZERO_TIMES,
-        ),
-        embedding=shapes[0] if before is not None else zero_shape,
-        layers=tuple(shapes[first:last]),
-        head=shapes[-1] if after is not None else zero_shape,
-    )
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(to_json(result)))
-        os.replace(tmp, path)
-    return result
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The one timing harness: every start-up measurement (blocks, step edges, optimizer, the engine's own
-time per action) is a median of repeats after a warm-up that lasts until the time settles.
+"""The one timing harness: every profile measurement (blocks, step edges, optimizer, the engine's own
+time per action, the link probe), at start-up and in the plan app alike, is a median of repeats after a
+warm-up that lasts until the time settles (or a fixed count, :func:`fixed_runs`).
 
 Why not a host clock around each call: on a GPU the host returns long before the
 device finishes, and a synchronisation between repeats drains the queue that a
@@ -8,6 +9,12 @@ on the current stream, the repeats run back to back with no host
 synchronisation between them, and the device is synchronised once at the end
 to read the events. On the CPU (emulated ranks included) the device is the
 host: a host clock read at each boundary is the device's time.
+
+What the host itself spends (the engine's own work per action: on a GPU the
+device waits for it once kernels are short) is read with ``host_clock=True``:
+the host clock on every device, each timed run starting on an empty device
+queue (so the host does not wait for earlier work) and not waiting for the
+device at its end.
 
 A run is a callable that receives a :class:`PhaseMarks` and calls
 ``marks.mark()`` between its phases (forward | backward, say): one run yields
@@ -60,10 +67,11 @@ def synchronize(device: torch.device) -> None:
 
 
 class PhaseMarks:
-    """The boundaries of one run's phases: CUDA events on CUDA, host clock readings elsewhere."""
+    """The boundaries of one run's phases: CUDA events on CUDA, host clock readings elsewhere (and with
+    ``host_clock``: what the host spends, not the device)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, host_clock: bool = False) -> None:
+        self._cuda = device.type == "cuda" and not host_clock
         self._points: list[Any] = []
         self.mark()
 
@@ -91,22 +99,28 @@ class PhaseMarks:
 
 
 def time_phases(
-    run: Callable[[PhaseMarks], Any], device: torch.device, phases: int, options: TimingOptions = TimingOptions()
+    run: Callable[[PhaseMarks], Any], device: torch.device, phases: int, options: TimingOptions = TimingOptions(),
+    *, host_clock: bool = False,
 ) -> tuple[float, ...]:
     """Median milliseconds of each of ``phases`` phases of ``run(marks)``, which calls ``marks.mark()`` at
     the boundaries between phases (``phases - 1`` times; the harness marks the start and the end).
 
     Warm-up runs are synchronised one by one (the settling test needs their
     times); the timed repeats are queued back to back and read after one
-    synchronisation at the end.
+    synchronisation at the end. With ``host_clock`` the phases are the host's
+    time (see the module's docstring): each timed run starts on an empty queue.
     """
     totals: list[float] = []
     while len(totals) < options.max_warmup:
         if len(totals) >= max(options.min_warmup, 2) and _settled(totals[-2], totals[-1], options):
             break
-        totals.append(sum(_one_run(run, device, phases)))
+        totals.append(sum(_one_run(run, device, phases, host_clock)))
     synchronize(device)
-    marks = [_marked(run, device, phases) for _ in range(options.repeats)]
+    marks = []
+    for _ in range(options.repeats):
+        if host_clock:
+            synchronize(device)
+        marks.append(_marked(run, device, phases, host_clock))
     synchronize(device)
     per_run = [m.phases_ms() for m in marks]
     return tuple(statistics.median(r[p] for r in per_run) for p in range(phases))
@@ -116,8 +130,8 @@ def _settled(previous_ms: float, last_ms: float, options: TimingOptions) -> bool
     return abs(last_ms - previous_ms) <= options.settle_tolerance * max(previous_ms, 1e-9)
 
 
-def _marked(run: Callable[[PhaseMarks], Any], device: torch.device, phases: int) -> PhaseMarks:
-    marks = PhaseMarks(device)
+def _marked(run: Callable[[PhaseMarks], Any], device: torch.device, phases: int, host_clock: bool) -> PhaseMarks:
+    marks = PhaseMarks(device, host_clock)
     run(marks)
     marks.mark()
     if marks.count != phases + 1:
@@ -128,13 +142,22 @@ def _marked(run: Callable[[PhaseMarks], Any], device: torch.device, phases: int)
     return marks
 
 
-def _one_run(run: Callable[[PhaseMarks], Any], device: torch.device, phases: int) -> list[float]:
+def _one_run(run: Callable[[PhaseMarks], Any], device: torch.device, phases: int, host_clock: bool) -> list[float]:
     synchronize(device)
-    marks = _marked(run, device, phases)
+    marks = _marked(run, device, phases, host_clock)
     synchronize(device)
     return marks.phases_ms()
 
 
-def time_ms(run: Callable[[], Any], device: torch.device, options: TimingOptions = TimingOptions()) -> float:
-    """Median milliseconds of ``run()`` (one phase)."""
-    return time_phases(lambda _: run(), device, 1, options)[0]
+def time_ms(
+    run: Callable[[], Any], device: torch.device, options: TimingOptions = TimingOptions(), *, host_clock: bool = False
+) -> float:
+    """Median milliseconds of ``run()`` (one phase; the host's time with ``host_clock``)."""
+    return time_phases(lambda _: run(), device, 1, options, host_clock=host_clock)[0]
+
+
+def fixed_runs(options: TimingOptions, warmup: int) -> TimingOptions:
+    """``options`` with exactly ``warmup`` untimed runs, settled or not: ranks that time something at once
+    (as they will run it) then all run it the same number of times."""
+    return TimingOptions(min_warmup=warmup, max_warmup=warmup, settle_tolerance=options.settle_tolerance,
+                         repeats=options.repeats)

@@ -13,7 +13,7 @@ type runs them.
 
 from __future__ import annotations
 
-import time
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +24,19 @@ from zorse_lightning.module.blocks import BlockList
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.profiling.measure import out_of_memory_errors
 from zorse_lightning.profiling.profile import BlockTimes, OptimizerProfile, TimeCurve
-from zorse_lightning.profiling.timing import PhaseMarks, TimingOptions, synchronize, time_phases
+from zorse_lightning.profiling.timing import PhaseMarks, TimingOptions, fixed_runs, synchronize, time_ms, time_phases
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 """Builds the user's optimizer (its class and settings) on the parameters given."""
+
+
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
+    """A factory of ``optimizer``'s class with its settings (its first parameter group's), for profiling to
+    time on sample parameters: the strategy's optimizer at start-up, ``configure_optimizers``' in the plan app."""
+    group = optimizer.param_groups[0]
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold a key its constructor refuses
+    settings = {key: group[key] for key in optimizer.defaults if key in group and key in accepted and key != "params"}
+    return lambda parameters: type(optimizer)(parameters, **settings)
 
 
 @dataclass(frozen=True)
@@ -277,33 +286,24 @@ def measure_action_overhead_ms(
     stage, whose blocks outside the stage pass their input on; on a GPU what
     the host spends there is time the device waits for it once kernels are
     short, and on emulated ranks it is what the deadlines cannot absorb. Host
-    time, not device time, so this is the one reading outside the harness of
-    :mod:`zorse_lightning.profiling.timing` (whose CUDA events read the device):
-    every rank runs it at once, the same count of runs, as they will run.
+    time, not device time: the harness's host clock. Every rank runs it at once
+    at start-up, so the warm-up is a fixed count: all run it the same number of
+    times, as they will run.
     """
     patched = [b for b in blocks.blocks if "forward" not in b.__dict__]
     for block in patched:
         block.forward = _passing_on
     micro = microbatch_slice(batch, 0, 1)
-    runs: list[float] = []
 
     def one() -> None:
-        synchronize(device)
-        start = time.perf_counter()
         with torch.no_grad():
             step(micro)
-        runs.append((time.perf_counter() - start) * 1e3)
 
     try:
-        for _ in range(max(timing.min_warmup, 1)):
-            one()
-        runs.clear()
-        for _ in range(timing.repeats):
-            one()
+        return time_ms(one, device, fixed_runs(timing, max(timing.min_warmup, 1)), host_clock=True)
     finally:
         for block in patched:
             del block.forward
-    return sorted(runs)[len(runs) // 2]
 
 
 def _passing_on(*args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ from zorse_lightning.startup.step_costs import OptimizerFactory, measure_optimiz
 PROFILE_TIMING = TimingOptions(min_warmup=2, max_warmup=6, repeats=3)
 """Short: profiling runs at every start, at every microbatch size the batch allows."""
 
-PROFILE_OPTIONS = MeasureOptions(max_microbatch_size=1, warmup=PROFILE_TIMING.min_warmup, repeats=PROFILE_TIMING.repeats)
+PROFILE_OPTIONS = MeasureOptions(warmup=PROFILE_TIMING.min_warmup, repeats=PROFILE_TIMING.repeats)
 """The block timings' options (their sizes are the calls given)."""
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from contextlib import nullcontext
 from typing import Any
 
@@ -15,7 +14,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.profiling.measure import ForwardContext
 from zorse_lightning.startup.plan_at_start import StartupInputs
-from zorse_lightning.startup.step_costs import OptimizerFactory
+from zorse_lightning.startup.step_costs import OptimizerFactory, optimizer_factory
 from zorse_lightning.strategy.log_capture import LogCapture, capturing_logs
 
 
@@ -52,11 +51,7 @@ def user_optimizer(module: Any) -> OptimizerFactory | None:
     optimizers = [] if strategy is None else strategy.optimizers
     if not optimizers:
         return None
-    optimizer = optimizers[0]
-    group = optimizer.param_groups[0]
-    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold a key its constructor refuses
-    settings = {key: group[key] for key in optimizer.defaults if key in group and key in accepted and key != "params"}
-    return lambda parameters: type(optimizer)(parameters, **settings)
+    return optimizer_factory(optimizers[0])
 
 
 def quiet_training_step(module: Any, forward_context: ForwardContext | None = None):
