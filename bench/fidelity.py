@@ -166,7 +166,7 @@ def _honest_worker(rank: int, out_dir: Path, config: HonestConfig) -> dict:
     from zorse_lightning.planner.cost.evaluate import plan_cost
     from zorse_lightning.planner.options import PlannerOptions
     from zorse_lightning.planner.search import make_plan
-    from zorse_lightning.startup.plan_at_start import within_profiled_sizes
+    from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 
     bench = config.bench

@@ -114,7 +114,7 @@ def _worker(cluster_file: str, config: BenchConfig, out_dir: str) -> None:
 
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.strategy.environment import HeterogeneousEnvironment
-    from zorse_lightning.startup.plan_at_start import within_profiled_sizes
+    from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
     from zorse_lightning.models.gpt import GPT
     from zorse_lightning.planner.cost.context import CostContext
