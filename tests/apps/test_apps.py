@@ -88,3 +88,21 @@ def test_plan_app_profiles_a_lightning_module_config(run_app, tmp_path: Path, mo
         for rank, count in zip(stage["ranks"], stage["microbatches_per_rank"]):
             shares[rank] = shares.get(rank, 0) + count * (stage["layers"][1] - stage["layers"][0])
     assert shares[0] > shares.get(2, 0) and shares[0] > shares.get(3, 0)  # a T4 may be left idle: no share
+
+
+def test_the_plan_app_times_the_optimizer_configure_optimizers_returns():
+    """Read as Lightning reads it (a dict with a scheduler here), and built as the strategy builds its own."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zorse_lightning.apps.module_profile import configured_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    sgd = torch.optim.SGD(params, lr=0.25, momentum=0.5)
+    module = SimpleNamespace(configure_optimizers=lambda: {
+        "optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.StepLR(sgd, step_size=1),
+    })
+    made = configured_optimizer(module)([torch.nn.Parameter(torch.zeros(2))])
+    assert type(made) is torch.optim.SGD and made.param_groups[0]["momentum"] == 0.5
+    assert configured_optimizer(SimpleNamespace(configure_optimizers=lambda: None)) is None

@@ -47,7 +47,8 @@ def within_profiled_sizes(
             raise PlanningError(
                 f"planner microbatch_size={options.microbatch_size} was not measured at start-up (measured: "
                 f"{list(measured)}{'; ' + why_not if why_not else ''}), and the planner prices only measured sizes; "
-                f"pin one of {list(measured)}, or give the loader a batch that holds {options.microbatch_size} samples"
+                f"pin one of {list(measured)}, or give the loader a batch that holds {options.microbatch_size} samples "
+                f"(data.batch_size in the apps' configs)"
             )
         return options, None
     largest = max(measured)
