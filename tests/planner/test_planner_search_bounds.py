@@ -119,3 +119,43 @@ def test_an_order_puts_the_fastest_group_last_where_the_head_is() -> None:
     orders = stage_orders(groups, inventory, ctx.links, speeds)
     assert tuple(by_speed) in orders
     assert (*by_speed[1:], by_speed[0]) in orders  # the rest fastest first, the A100s last with the head
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_lower_bound_never_exceeds_any_layer_split(m: int) -> None:
+    """Every split of the layers of every layout, priced in the closed form, with as few microbatches
+    as GPUs in a stage or fewer (16 samples): the bound of the fill and drain and of a stage's busiest
+    GPU holds for each split, not only for the heuristic's."""
+    from zorse_lightning.planner.cost.evaluate import plan_cost
+    from zorse_lightning.planner.heuristic import _split_plan, microbatch_split
+    from zorse_lightning.planner.problem import SEARCH_SHARDING
+
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
+    ctx = CostContext.build(inventory, profile)
+    speeds = speed_by_type(ctx)
+    checked = 0
+    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+        if len(layout) > 3:
+            continue
+        bound = _lower_bound_ms(ctx, layout, m, 16)
+        microbatches = microbatch_split(ctx, layout, 16 // m, speeds)
+        for split in itertools.product(range(1, 9), repeat=len(layout)):
+            if sum(split) != 8:
+                continue
+            plan = _split_plan(ctx, layout, split, microbatches, m, 16, Schedule.ONE_F_ONE_B, SEARCH_SHARDING, False)
+            assert bound <= plan_cost(ctx, plan, memory=False).iteration_ms * (1 + 1e-12), (layout, split)
+            checked += 1
+    assert checked > 50
+
+
+def test_lower_bound_counts_every_layer_of_one_microbatch() -> None:
+    """One microbatch through a pipeline of four stages passes every layer once, back to back: the
+    bound is at least the model's layers at the fastest GPU's layer time (a bound that counted one
+    layer per stage in the fill let the search price thousands of hopeless deep layouts)."""
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=1024)
+    ctx = CostContext.build(inventory, profile)
+    layout = ((0,), (4,), (8,), (9,))
+    fastest = min(ctx.fastest_layer_ms(t.name, 4) for t in inventory.gpu_types)
+    assert _lower_bound_ms(ctx, layout, 4, 4) >= 12 * fastest

@@ -44,7 +44,9 @@ about 8 s on one core today (``bench/plan_scaling.py``'s 1024 GPUs need 1 M at d
 it the degree is not tried, to keep the planning-time goals (60 s at 1024 GPUs)."""
 MOST_CHECKED = 2
 """Degrees whose memory is priced and which are simulated, fastest in the closed form first
-(each records and plays every rank's program: seconds at 1024 GPUs)."""
+(each records and plays every rank's program: seconds at 1024 GPUs), while their recording work
+summed stays within :data:`MOST_RECORDING_WORK`: one degree at 1024 GPUs (about 7 s a degree
+there), two wherever recording is cheap."""
 
 
 @dataclass
@@ -70,8 +72,8 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan
     because the engine does not run interleaved plans, ``most`` < 2 or the plan has one stage).
 
     Every degree's time is priced first (no programs needed); only the :data:`MOST_CHECKED`
-    fastest that gain in the closed form get their memory priced (their programs recorded) and
-    are simulated, fastest first, until one wins."""
+    fastest that gain in the closed form, within a recording budget, get their memory priced (their
+    programs recorded) and are simulated, fastest first, until one wins."""
     tried = degrees(plan, most)[1:] if plan.interleave == 1 else []
     if not (capabilities.SUPPORTS_INTERLEAVING and tried):
         return plan, None
@@ -95,7 +97,14 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan
     promising = sorted((t for t in timed if t.refused is None and _gain(t.ms, base.iteration_ms) > INTERLEAVE_MARGIN), key=lambda t: t.ms)
     reasons = {t.degree: _why_not(t, base) for t in timed if t not in promising}
     plain_simulated_ms = None
-    for timing in promising[:MOST_CHECKED]:
+    checked, budget = [], MOST_RECORDING_WORK
+    for timing in promising:
+        work = 2 * timing.degree * plan.num_microbatches * working
+        if len(checked) == MOST_CHECKED or work > budget:
+            reasons[timing.degree] = f"x{timing.degree} {timing.ms:.1f} ms, not checked (slower than those checked)"
+            continue
+        checked.append(timing.degree)
+        budget -= work
         trial = _fitting(ctx, timing)
         if trial.refused is None and _gain(trial.ms, base.iteration_ms) > INTERLEAVE_MARGIN:
             plain_simulated_ms = plain_simulated_ms or simulate(ctx, plan).makespan_ms
@@ -110,8 +119,6 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan
                     f"{_gain(trial.ms, base.iteration_ms):.1%})"
                 )
         reasons[trial.degree] = _why_not(trial, base)
-    for timing in promising[MOST_CHECKED:]:
-        reasons[timing.degree] = f"x{timing.degree} {timing.ms:.1f} ms, not checked (slower than those checked)"
     listed = "; ".join(reasons[d] for d in sorted(reasons))
     return plan, f"not interleaved (tried x{tried[0]}-x{tried[-1]}, each must win by {INTERLEAVE_MARGIN:.0%}): {listed}"
 

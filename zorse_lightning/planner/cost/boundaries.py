@@ -27,6 +27,8 @@ class BoundaryCost:
     """Busiest link's transfers per iteration, one direction (links are full duplex)."""
     routes: tuple[tuple[int, int, int], ...]
     """(sending rank, receiving rank, microbatches) in microbatch order."""
+    route_ms: tuple[tuple[float, float], ...] = ()
+    """Per route: one activation's transfer forward, one gradient's back (what the receivers wait for)."""
 
 
 def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
@@ -56,12 +58,14 @@ def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     one_ms: dict = {}  # per link: one message
     messages: dict = {}  # per link: messages per iteration
     route_list = routes(sender, receiver)
+    route_ms = []
     for a, b, count in route_list:
-        link_transfer_ms(ctx, a, b, message_bytes, one_ms)
         key = ctx.links.link(a, b)[0]
+        route_ms.append((link_transfer_ms(ctx, a, b, message_bytes, one_ms), link_transfer_ms(ctx, b, a, message_bytes, one_ms)))
         messages[key] = messages.get(key, 0) + count
-    slowest = max(one_ms.values(), default=0.0)
-    return BoundaryCost(slowest, max((one_ms[k] * n for k, n in messages.items()), default=0.0), tuple(route_list))
+    slowest = max((forward for forward, _ in route_ms), default=0.0)
+    busiest = max((one_ms[k] * n for k, n in messages.items()), default=0.0)
+    return BoundaryCost(slowest, busiest, tuple(route_list), tuple(route_ms))
 
 
 def link_transfer_ms(ctx: CostContext, src: int, dst: int, message_bytes: float, by_link: dict) -> float:
@@ -84,11 +88,7 @@ def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[Bo
     """
     slowest: dict[tuple[int, int, str], float] = {}  # (stage, rank, "previous" | "next" stage) -> ms
     for i, boundary in enumerate(boundaries):
-        message_bytes = boundary_message_bytes(ctx, plan, i)
-        by_link: dict = {}
-        for a, b, _ in boundary.routes:
-            forward = link_transfer_ms(ctx, a, b, message_bytes, by_link)
-            back = link_transfer_ms(ctx, b, a, message_bytes, by_link)
+        for (a, b, _), (forward, back) in zip(boundary.routes, boundary.route_ms):
             for key, ms in (((i + 1, b, "previous"), forward + back), ((i, a, "next"), back)):
                 slowest[key] = max(slowest.get(key, 0.0), ms)
     position = [{r: k for k, r in enumerate(stage.ranks)} for stage in plan.stages]

@@ -35,7 +35,11 @@ def pipeline_elements(
     """
     groups, degree = plan.num_groups, plan.interleave
     chunks = [plan.stages_of_group(g) for g in range(groups)]
-    totals = [[sum(stages[s].times[k].total_ms for s in chunks[g]) for k in range(len(plan.stages[g].ranks))] for g in range(groups)]
+    totals = [
+        [t.total_ms for t in stages[g].times] if degree == 1
+        else [sum(stages[s].times[k].total_ms for s in chunks[g]) for k in range(len(plan.stages[g].ranks))]
+        for g in range(groups)
+    ]
     latencies, busy = [], []
     for g in range(groups):
         counts = list(plan.stages[g].microbatches_per_rank)
@@ -50,8 +54,9 @@ def pipeline_elements(
     for g in range(groups):
         element = 2 * g  # groups and boundaries alternate
         counts = list(plan.stages[g].microbatches_per_rank)
-        waits = [sum(receive[s][k] for s in chunks[g]) for k in range(len(counts))]
-        in_flight = [_in_flight(plan, g, n) for n in counts]
+        waits = receive[g] if degree == 1 else [sum(receive[s][k] for s in chunks[g]) for k in range(len(counts))]
+        limit = {n: _in_flight(plan, g, n) for n in set(counts)}  # alike GPUs of a wide stage: one count each
+        in_flight = [limit[n] for n in counts]
         counted = sum(latencies[element + 1 :])
         waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
         busy[element] = max(busy[element], waiting, receiving_busy_ms(totals[g], counts, waits, degree))

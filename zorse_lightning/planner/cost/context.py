@@ -26,6 +26,11 @@ class CostContext:
     capacities_bytes: tuple[float, ...]
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
+    _fastest_layer_ms: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :meth:`fastest_layer_ms`: the search's lower bound asks for it per candidate."""
+    _timelines: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :func:`.simulate.simulate`: the interleaving choice simulates the search's best plan,
+    and the search then predicts the plan it returns by the same simulation (seconds at 1024 GPUs)."""
     _programs: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :func:`.evaluate.schedule_programs`: an interleaved plan's programs, recorded once for its
     memory and its simulation (a play of the 1F1B schedule takes seconds at 1024 GPUs)."""
@@ -41,6 +46,16 @@ class CostContext:
                 action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
             )
         return self._microbatch_times[key]
+
+    def fastest_layer_ms(self, gpu_type: str, microbatch_size: int) -> float:
+        """Forward plus backward of one microbatch through the fastest layer of the profile on ``gpu_type``:
+        no ``k`` layers of a stage take less than ``k`` times this."""
+        key = (gpu_type, microbatch_size)
+        if key not in self._fastest_layer_ms:
+            self._fastest_layer_ms[key] = min(
+                b.forward.at(microbatch_size) + b.backward.at(microbatch_size) for b in self.profile.times(gpu_type).layers
+            )
+        return self._fastest_layer_ms[key]
 
     def action_overhead_ms(self, gpu_type: str) -> float:
         """The engine's own time per action beyond compute on ``gpu_type``, as start-up measured it on

@@ -90,12 +90,16 @@ class Timeline:
 
 
 def simulate(ctx: CostContext, plan: Plan) -> Timeline:
-    """Event simulation of one iteration of ``plan`` (see module docstring)."""
-    cost = plan_cost(ctx, plan)
-    play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
-    play.run()
-    events = play.events + _tail_events(plan, cost, play.free_at)
-    return Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
+    """Event simulation of one iteration of ``plan`` (see module docstring), once per plan in ``ctx``
+    (its prediction, notes and solver record do not change it)."""
+    key = (plan.schedule, plan.interleave, plan.microbatch_size, plan.global_batch_size, plan.stages)
+    if key not in ctx._timelines:
+        cost = plan_cost(ctx, plan)
+        play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
+        play.run()
+        events = play.events + _tail_events(plan, cost, play.free_at)
+        ctx._timelines[key] = Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
+    return ctx._timelines[key]
 
 
 def with_simulated_prediction(ctx: CostContext, plan: Plan) -> Plan:
