@@ -16,7 +16,8 @@ from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_pl
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
-from zorse_lightning.planner.search import _heuristic_plan, _layouts, _lower_bound_ms
+from zorse_lightning.planner.bound import lower_bound_ms
+from zorse_lightning.planner.search import _heuristic_plan, _layouts
 
 from test_planner_fixtures import synthetic_profile
 
@@ -104,7 +105,7 @@ def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
         for m in (1, 4):
             plan = _heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options)
             if plan is not None:
-                assert _lower_bound_ms(ctx, layout, m, 32) <= plan.predicted.iteration_ms * (1 + 1e-12)
+                assert lower_bound_ms(ctx, layout, m, 32) <= plan.predicted.iteration_ms * (1 + 1e-12)
                 checked += 1
     assert checked > 10
 
@@ -138,7 +139,7 @@ def test_lower_bound_never_exceeds_any_layer_split(m: int) -> None:
     for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
         if len(layout) > 3:
             continue
-        bound = _lower_bound_ms(ctx, layout, m, 16)
+        bound = lower_bound_ms(ctx, layout, m, 16)
         microbatches = microbatch_split(ctx, layout, 16 // m, speeds)
         for split in itertools.product(range(1, 9), repeat=len(layout)):
             if sum(split) != 8:
@@ -158,4 +159,4 @@ def test_lower_bound_counts_every_layer_of_one_microbatch() -> None:
     ctx = CostContext.build(inventory, profile)
     layout = ((0,), (4,), (8,), (9,))
     fastest = min(ctx.fastest_layer_ms(t.name, 4) for t in inventory.gpu_types)
-    assert _lower_bound_ms(ctx, layout, 4, 4) >= 12 * fastest
+    assert lower_bound_ms(ctx, layout, 4, 4) >= 12 * fastest

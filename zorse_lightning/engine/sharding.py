@@ -253,7 +253,7 @@ class StageShards:
         One all-reduce (a sum) of the stage's weights, each rank filling its own
         shard and zeros elsewhere: exact (x + 0 is x), as cheap as the gradients'
         all-reduce whatever the shard sizes, and what the cost model prices
-        (:func:`zorse_lightning.planner.cost.comm.ring_sync_ms`). Gradients of the
+        (:func:`zorse_lightning.planner.cost.comm.stage_sync_ms`). Gradients of the
         parameters other ranks own are dropped here: this rank's optimizer does
         not know them, so its ``zero_grad`` would leave them to accumulate into
         the next step.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
-from zorse_lightning.planner.cost.comm import ring_sync_ms, transfer_ms
+from zorse_lightning.planner.cost.comm import stage_sync_ms, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, tied_sync_ms
 from zorse_lightning.planner.grouping import Layout, unused_ranks
@@ -172,7 +172,6 @@ def build_problem(
         first, last = s == 0, s == num_stages - 1
         sharding = candidate.sharding if len(ranks) > 1 else Sharding.NONE
         groups = stage_groups(ctx, ranks)
-        bandwidth_gbps, latency_us = ctx.links.ring(ranks)
         extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
         even_share = parameters_updated(1.0, sharding, (1.0 / len(ranks),))[0]  # of the stage's parameters, per rank
@@ -197,7 +196,7 @@ def build_problem(
                 groups=tuple(costs),
                 latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
                 tail_ms=tuple(
-                    ring_sync_ms(p * per.weights, p * per.gradients, len(ranks), bandwidth_gbps, latency_us, sharding)
+                    stage_sync_ms(ctx.links, ranks, p * per.weights, p * per.gradients, sharding)
                     + (tied_ms if first or last else 0.0)
                     + max(_update_ms(ctx, group, p * even_share) for group in groups)
                     for p in params

@@ -5,7 +5,7 @@ Candidates: stage layout and order (:mod:`.grouping`, and, where allowed, layout
 that leave the slowest GPU types idle), microbatch size and schedule. Two phases:
 
 1. In increasing order of a lower bound on the iteration time (see
-   :func:`_lower_bound_ms`), each candidate gets a heuristic split priced
+   :func:`.bound.lower_bound_ms`), each candidate gets a heuristic split priced
    (:mod:`.heuristic`: microbatches by speed, layers balancing the stages' compute,
    within each stage's memory when they do not fit otherwise): an upper bound and a
    valid fallback plan.
@@ -36,13 +36,13 @@ heuristic split it started from and its own solution, both priced).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import replace
 
 from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
+from zorse_lightning.planner.bound import lower_bound_ms
 from zorse_lightning.planner.choice import Choice
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import (
@@ -66,8 +66,6 @@ from zorse_lightning.planner.problem import (
     SEARCH_SHARDING,
     Candidate,
     WindowCosts,
-    block_extras,
-    boundary_transfer_ms,
     build_problem,
     layout_plan,
     stage_groups,
@@ -77,7 +75,6 @@ from zorse_lightning.planner.problem import (
 )
 from zorse_lightning.planner.program_log import ProgramLog, ProgramRun
 from zorse_lightning.planner.rounding import proportional_counts
-from zorse_lightning.planner.cost.update import update_lower_bound_ms
 from zorse_lightning.profiling.profile import ModelProfile
 
 
@@ -98,7 +95,7 @@ def make_plan(
     schedules = [options.schedule] if options.schedule is not None else [Schedule.ONE_F_ONE_B]
     speeds = speed_by_type(ctx)
     bounded = sorted(
-        (_lower_bound_ms(ctx, layout, m, global_batch_size), i, layout, m, schedule)
+        (lower_bound_ms(ctx, layout, m, global_batch_size), i, layout, m, schedule)
         for i, (layout, m, schedule) in enumerate((l, m, sc) for l in layouts for m in sizes for sc in schedules)
     )
     choice, scored = Choice(), []
@@ -228,7 +225,7 @@ def _gathered_per_microbatch(
     for (ranks,) in (l for l in layouts if len(l) == 1 and len(l[0]) > 1):
         order = sorted(ranks, key=lambda r: -speeds[ctx.inventory.gpus[r].gpu_type.name])
         for m in sizes:
-            if _lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= choice.threshold_ms(len(ranks) == ctx.inventory.world_size):
+            if lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= choice.threshold_ms(len(ranks) == ctx.inventory.world_size):
                 continue
             shares = dict(zip(order, proportional_counts(global_batch_size // m, [1.0] * len(order))))
             for recompute in (False, True):
@@ -315,82 +312,6 @@ def _microbatch_sizes(global_batch_size: int, options: PlannerOptions, profile: 
             f"pick a global batch that is a multiple of one of them, or add a divisor to the sizes"
         )
     return usable
-
-
-def _lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int) -> float:
-    """No plan of the layout at microbatch size ``m`` is faster than this.
-
-    The busiest stage works at least as long as (a) the whole model's work spread
-    over every GPU of the layout at its fastest layer time, and (b) any one stage
-    passing every microbatch through one layer and the embedding or head it holds,
-    spread over its own GPUs. Add one microbatch through each other stage (fill and
-    drain: the largest such term is left out, it may be the busiest stage's) and
-    through each boundary at its fastest link; or, where larger, the bound of
-    :func:`_bottleneck_bound_ms`, which counts every layer in the fill and drain and
-    the microbatches a stage's busiest GPU must take. Then the optimizer step: the
-    stages hold every parameter between them, and no split of them over stages and
-    shards steps faster than all of them spread over every GPU of the layout by its
-    speed (:func:`update_lower_bound_ms`).
-    """
-    num_m = global_batch_size // m
-    last = len(layout) - 1
-    types = [Counter(ctx.inventory.gpus[r].gpu_type.name for r in s) for s in layout]  # per stage: GPUs of each type
-    fastest_layer = {t: ctx.fastest_layer_ms(t, m) for t in {t for s in types for t in s}}
-    extras = {(t, s): block_extras(ctx, t, m, s == 0, s == last)[0] for s, stage in enumerate(types) for t in stage}
-    head_and_embedding = min(block_extras(ctx, t, m, True, True)[0] / fastest_layer[t] for t in fastest_layer)
-    capacity = sum(n / fastest_layer[t] for s in types for t, n in s.items())
-    whole_model = num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
-    one_layer_per_stage = max(
-        num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
-    )
-    fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
-    message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
-    transfers = sum(2 * boundary_transfer_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
-    compute = max(
-        max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
-        _bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras),
-    ) + transfers
-    return compute + update_lower_bound_ms(ctx, [r for ranks in layout for r in ranks])
-
-
-def _bottleneck_bound_ms(
-    num_layers: int, num_m: int, types: list[Counter[str]], fastest_layer: dict[str, float],
-    extras: dict[tuple[str, int], float],
-) -> float:
-    """The pipeline (transfers left out) is no shorter than any stage ``b``'s busy time plus one
-    microbatch through every other stage (the closed form's ``sum_e l_e + max_e (T_e - l_e)``).
-
-    With ``k`` layers on ``b``: its busiest GPU takes at least ``ceil(M / width)`` microbatches of
-    at least ``k`` fastest layers and its cheapest embedding or head each, and the stage's GPUs
-    together pass ``M`` microbatches through ``k`` layers at their speeds; the other stages hold the
-    other ``L - k`` layers, each at least the fastest layer of their GPUs, and their embedding or
-    head. That is convex in ``k`` (a maximum of lines plus a line), so its least value over the
-    splits lies at an end of ``1 .. L - S + 1`` or at the kink between; the bound holds for the
-    actual split, whichever stage is busiest, so the largest over ``b`` of those least values is a
-    bound. Tight where few microbatches meet many layers: the fill and drain of a deep pipeline,
-    a data-parallel stage whose GPUs outnumber its microbatches. ``types``: per stage, its GPUs of
-    each type.
-    """
-    stages = len(types)
-    per_layer = [min(fastest_layer[t] for t in stage) for stage in types]
-    edge = [min(extras[t, s] for t in stage) for s, stage in enumerate(types)]
-    most_layers = num_layers - stages + 1
-    bound = 0.0
-    for b, stage in enumerate(types):
-        others_layer = min((per_layer[s] for s in range(stages) if s != b), default=0.0)
-        others_edge = sum(edge) - edge[b]
-        busiest = -(-num_m // sum(stage.values()))
-        capacity = sum(n / fastest_layer[t] for t, n in stage.items())
-
-        def at(k: int) -> float:
-            busy = max(busiest * (k * per_layer[b] + edge[b]), num_m * k / capacity)
-            return busy + (num_layers - k) * others_layer + others_edge
-
-        slope_gap = num_m / capacity - busiest * per_layer[b]
-        kink = busiest * edge[b] / slope_gap if slope_gap > 0 else 1.0
-        ks = {1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)}
-        bound = max(bound, min(at(k) for k in ks) if stages > 1 else at(num_layers))
-    return bound
 
 
 def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:

@@ -376,31 +376,6 @@ class LinkTable:
         return num_bytes * per_byte_ms + latency_ms
 
 
-def ring_sync_ms(
-    weight_bytes: float, gradient_bytes: float, num_ranks: int, bandwidth_gbps: float, latency_us: float, sharding: Sharding
-) -> float:
-    """Synchronisation of one stage by sharding level on a ring of equal links that nothing else
-    shares: the integer program's closed form (it knows a stage's ring by its slowest link only).
-    Plans are priced by :func:`stage_sync_ms`, which lays each collective's flows on the links.
-
-    * ``none``: an all-reduce of the gradients;
-    * ``optimizer``: the same all-reduce, then an all-reduce of the updated weights;
-    * ``optimizer_gradients`` and ``full``: the traffic of a reduce-scatter of the
-      gradients and an all-gather of the weights.
-    """
-    if num_ranks <= 1:
-        return 0.0
-    if sharding is Sharding.NONE:
-        return ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us)
-    if sharding is Sharding.OPTIMIZER:
-        return ring_all_reduce_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_reduce_ms(
-            weight_bytes, num_ranks, bandwidth_gbps, latency_us
-        )
-    return ring_reduce_scatter_ms(gradient_bytes, num_ranks, bandwidth_gbps, latency_us) + ring_all_gather_ms(
-        weight_bytes, num_ranks, bandwidth_gbps, latency_us
-    )
-
-
 def stage_sync_ms(
     links: LinkTable, ranks: tuple[int, ...], weight_bytes: float, gradient_bytes: float, sharding: Sharding,
     shard_fractions: tuple[float, ...] = (),

@@ -137,19 +137,22 @@ def gather_round_ms_of(ctx: CostContext, plan: Plan, index: int) -> float:
     stage, parameters = plan.stages[index], stage_parameters_of(ctx, plan, index)
     per = profile_state_bytes(ctx.profile)
     return gather_round_ms(
-        ctx.links, stage.ranks, parameters.layers * per.weights, parameters.layers * per.gradients, parameters.num_layers
+        ctx.links, stage.ranks, parameters.layers * per.weights, parameters.layers * per.gradients, parameters.num_layers,
+        stage.shard_fractions,
     )
 
 
 def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> float:
     """Synchronisation of stage ``index`` (or of ``stage`` put in its place) over its own group
-    after its last backward, by sharding level (:func:`ring_sync_ms`); gathered per microbatch,
+    after its last backward, by sharding level (:func:`.comm.stage_sync_ms`); gathered per microbatch,
     only the embedding and head are left to synchronise then."""
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
     synced = parameters.edges if stage.gather_per_microbatch else parameters.total
     per = profile_state_bytes(ctx.profile)
-    return stage_sync_ms(ctx.links, stage.ranks, synced * per.weights, synced * per.gradients, stage.sharding)
+    return stage_sync_ms(
+        ctx.links, stage.ranks, synced * per.weights, synced * per.gradients, stage.sharding, stage.shard_fractions
+    )
 
 
 def stage_update_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> tuple[float, ...]:
