@@ -87,6 +87,20 @@ def test_edges_are_timed_forward_and_backward_with_gradients_at_every_size(clock
     assert all(p.grad is None for p in model.parameters())  # put back
 
 
+def test_what_the_first_block_does_at_the_end_of_its_backward_is_not_the_edges(clock):
+    """An emulated block routes its input through a node whose backward sleeps to the block's deadline,
+    after the gradient has passed the block: hooked before the step-edge probe, as the emulator is, that
+    time once counted as the embedding's backward (+10 % on every emulated cluster's prediction)."""
+    model = _Model(clock)
+
+    def route_through_a_deadline(_module, args):
+        return (_Advance.apply(args[0], clock, 0.0, 50.0),)
+
+    model.blocks[0].register_forward_pre_hook(route_through_a_deadline)
+    edges = step_costs.measure_step_edges(model.step, find_block_list(model), torch.ones(2, 2), torch.device("cpu"), (1, 2))
+    assert edges.embedding.backward.measured_ms == pytest.approx((6.0, 12.0))
+
+
 def test_edges_count_what_they_save_for_backward(clock):
     model = _Model(clock)
     edges = step_costs.measure_step_edges(model.step, find_block_list(model), torch.ones(4, 2), torch.device("cpu"), (1, 2))

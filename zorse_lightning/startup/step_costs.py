@@ -88,8 +88,11 @@ class _Phase:
         self.saved = [0, 0, 0]
         self.backward_marks = 0
         first, last = blocks.blocks[0], blocks.blocks[-1]
+        # First of the first block's pre-hooks: the input it sees is the one the edge before returned. A later
+        # hook may route it through a node of its own (an emulated block sleeps to its backward's deadline in
+        # one, after the gradient has passed): marked behind that node, the block's backward would end after it.
         self.handles = [
-            first.register_forward_pre_hook(self._entering), last.register_forward_hook(self._leaving),
+            first.register_forward_pre_hook(self._entering, prepend=True), last.register_forward_hook(self._leaving),
         ]
 
     def _mark_backward(self, _grad: torch.Tensor) -> None:
