@@ -48,9 +48,26 @@ def test_only_a_slower_measurement_lowers_the_configured_rate() -> None:
     lowered = with_measured_rates(inventory, [probe])
     assert lowered.bandwidth_gbps(0, 1) == 3.2 and lowered.bandwidth_gbps(2, 2) == inventory.bandwidth_gbps(2, 2)
     assert lowered.machines[1] == inventory.machines[1]
-    assert "planned with the measured rate" in probe.note() and "3.20 Gbit/s" in probe.note()
+    (note,) = probe.notes()
+    assert "planned with the measured rate" in note and "3.20 Gbit/s" in note
     faster = replace(probe, effective_gbps=5000.0)
     assert with_measured_rates(inventory, [faster]) is inventory
+
+
+def test_only_a_later_message_raises_the_latency_inside_machines() -> None:
+    """A small message measured at 1.5 ms against the configured 5 us: every message inside a machine is
+    priced at the measured time (the inventory's one intra-machine latency), the links between machines
+    keep theirs, and the note says so; a message on time changes nothing."""
+    inventory = load_cluster(CLUSTER)
+    configured_us = inventory.latency_us(0, 1)
+    on_time = MachineAllReduce("m0", 2, 4_000_000, 10.0, 1000.0, 5000.0, configured_us / 2, configured_us)
+    assert with_measured_rates(inventory, [on_time]) is inventory and on_time.notes() == []
+    late = replace(on_time, message_us=1500.0)
+    raised = with_measured_rates(inventory, [late])
+    assert raised.latency_us(0, 1) == 1500.0 and raised.latency_us(0, 2) == inventory.latency_us(0, 2)
+    assert raised.bandwidth_gbps(0, 1) == inventory.bandwidth_gbps(0, 1)
+    (note,) = late.notes()
+    assert "1.50 ms" in note and "planned with the measured latency" in note
 
 
 def test_probe_size_is_the_gradient_bytes_within_bounds() -> None:
@@ -68,7 +85,7 @@ def _probe_worker(rank: int, out_dir: Path) -> list[dict]:
         dist.barrier()  # the default group still works after the machine groups are gone
         return [
             {"machine": p.machine, "ranks": p.num_ranks, "ms": p.measured_ms, "gbps": p.effective_gbps,
-             "configured": p.configured_gbps}
+             "configured": p.configured_gbps, "message_us": p.message_us, "latency_us": p.configured_latency_us}
             for p in probes
         ]
     finally:
@@ -82,5 +99,6 @@ def test_each_machine_with_several_ranks_is_probed_and_every_rank_agrees(tmp_pat
     (probe,) = results[0]  # m1 has one rank: nothing to all-reduce
     assert probe["machine"] == "m0" and probe["ranks"] == 2 and probe["configured"] == 1000
     assert probe["ms"] > 0
-    assert probe["gbps"] == pytest.approx(effective_bandwidth_gbps(MIN_PROBE_BYTES, 2, probe["ms"], 
-                                                                   load_cluster(CLUSTER).latency_us(0, 1)))
+    assert probe["message_us"] > 0 and probe["latency_us"] == load_cluster(CLUSTER).latency_us(0, 1)
+    latency_us = max(probe["message_us"], probe["latency_us"])
+    assert probe["gbps"] == pytest.approx(effective_bandwidth_gbps(MIN_PROBE_BYTES, 2, probe["ms"], latency_us))

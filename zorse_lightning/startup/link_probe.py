@@ -1,7 +1,7 @@
 """How fast each machine's ranks all-reduce, measured at start, so that the planner prices
 synchronisation as this machine delivers it.
 
-Why: a stage's gradient all-reduce (and, with sharded optimizer state, the
+Why the rate: a stage's gradient all-reduce (and, with sharded optimizer state, the
 exchange of updated weights) is priced from the inventory's
 ``intra_bandwidth_gbps``. That rate is what a user knows of the hardware (a NIC,
 NVLink, "gloo over loopback"), not what a collective of the model's gradient
@@ -15,12 +15,22 @@ rate that reproduces the measured time (:func:`effective_bandwidth_gbps`) is
 below the configured one, the planner gets the measured rate, and the plan's
 notes say so. A faster measurement leaves the configured rate: it stays the
 ceiling the user stated.
+
+Why the latency: every activation and gradient between pipeline stages is a
+message, and the engine's receives block. On that machine a small message
+between gloo ranks took 1.5-2 ms (four processes on two cores, each woken when
+its message lands) against the 5 us ``intra_machine_us`` it was priced at, so an
+interleaved plan, with V times the messages, was predicted 12 % faster than it
+ran and chosen where it lost. So the ranks of each machine also pass a small
+message round their ring, and where that takes longer than the configured
+latency the planner prices every message inside a machine at the measured time.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +46,11 @@ MIN_PROBE_BYTES = 1024 * 1024
 PROBE_TIMING = TimingOptions(min_warmup=1, max_warmup=1, repeats=3)
 """One warm-up, three timed all-reduces, the median kept: a fixed count, since every rank of a group must
 make the same collectives (a warm-up until the time settles could end at another count on each)."""
+MESSAGE_TIMING = TimingOptions(min_warmup=3, max_warmup=3, repeats=15)
+"""Passes of a small message round a machine's ring: fixed counts, as :data:`PROBE_TIMING`; more of them, each
+short and its wake-ups noisy."""
+MESSAGE_ELEMENTS = 16
+"""The small message: a header's size (latency, not rate)."""
 
 
 @dataclass(frozen=True)
@@ -49,17 +64,35 @@ class MachineAllReduce:
     configured_gbps: float
     effective_gbps: float
     """The ``intra_bandwidth_gbps`` at which the cost model prices this all-reduce at ``measured_ms``."""
+    message_us: float = 0.0
+    """A small message from one rank to the next round the machine's ring, as measured (the slowest rank's median)."""
+    configured_latency_us: float = 0.0
 
     @property
     def slower_than_configured(self) -> bool:
         return self.effective_gbps < self.configured_gbps
 
-    def note(self) -> str:
-        return (
-            f"machine {self.machine!r}: an all-reduce of {self.num_bytes / 1e6:.1f} MB among its {self.num_ranks} ranks "
-            f"took {self.measured_ms:.1f} ms at start, as at {self.effective_gbps:.2f} Gbit/s, below its "
-            f"intra_bandwidth_gbps {self.configured_gbps:g}: planned with the measured rate"
-        )
+    @property
+    def later_than_configured(self) -> bool:
+        return self.message_us > self.configured_latency_us
+
+    def notes(self) -> list[str]:
+        """What the plan's notes say of this machine: each measurement that the planner used instead of the
+        configured figure."""
+        said = []
+        if self.later_than_configured:
+            said.append(
+                f"machine {self.machine!r}: a small message between its ranks took {self.message_us / 1e3:.2f} ms at "
+                f"start, above the cluster's intra_machine_us {self.configured_latency_us:g}: planned with the "
+                f"measured latency"
+            )
+        if self.slower_than_configured:
+            said.append(
+                f"machine {self.machine!r}: an all-reduce of {self.num_bytes / 1e6:.1f} MB among its {self.num_ranks} "
+                f"ranks took {self.measured_ms:.1f} ms at start, as at {self.effective_gbps:.2f} Gbit/s, below its "
+                f"intra_bandwidth_gbps {self.configured_gbps:g}: planned with the measured rate"
+            )
+        return said
 
 
 def effective_bandwidth_gbps(num_bytes: float, num_ranks: int, measured_ms: float, latency_us: float) -> float:
@@ -81,33 +114,58 @@ def probe_bytes(module: torch.nn.Module) -> int:
 def probe_machines(
     inventory: ClusterInventory, rank: int, device: torch.device, num_bytes: int
 ) -> list[MachineAllReduce]:
-    """Every machine with several ranks times an all-reduce of ``num_bytes`` among them, all machines
-    at once (collective: every rank calls it; the same list on every rank)."""
+    """Every machine with several ranks times a small message round its ring and an all-reduce of
+    ``num_bytes`` among them, all machines at once (collective: every rank calls it; the same list on every
+    rank). The all-reduce's rate is fitted with the larger of the measured and configured latencies."""
     machines = [(name, ranks) for name, ranks in inventory.ranks_by_machine.items() if len(ranks) > 1]
     groups = {name: dist.new_group(ranks) for name, ranks in machines}  # every rank creates every group
     mine = inventory.gpus[rank].machine
-    median_ms = 0.0
+    median_ms = message_ms = 0.0
     if mine in groups:
+        message_ms = _message_ms(inventory.ranks_by_machine[mine], rank, groups[mine], device)
         tensor = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
         median_ms = time_ms(lambda: dist.all_reduce(tensor, group=groups[mine]), device, PROBE_TIMING)
         dist.destroy_process_group(groups[mine])
-    gathered = [0.0] * dist.get_world_size()
-    dist.all_gather_object(gathered, median_ms)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (median_ms, message_ms))
     results = []
     for name, ranks in machines:
-        measured = max(gathered[r] for r in ranks)
-        latency = inventory.latency_us(ranks[0], ranks[1])
+        measured = max(gathered[r][0] for r in ranks)
+        message_us = max(gathered[r][1] for r in ranks) * 1e3
+        configured_us = inventory.latency_us(ranks[0], ranks[1])
         results.append(MachineAllReduce(
             machine=name, num_ranks=len(ranks), num_bytes=num_bytes, measured_ms=measured,
             configured_gbps=inventory.bandwidth_gbps(ranks[0], ranks[1]),
-            effective_gbps=effective_bandwidth_gbps(num_bytes, len(ranks), measured, latency),
+            effective_gbps=effective_bandwidth_gbps(num_bytes, len(ranks), measured, max(configured_us, message_us)),
+            message_us=message_us, configured_latency_us=configured_us,
         ))
     return results
 
 
+def _message_ms(ranks: tuple[int, ...] | list[int], rank: int, group: Any, device: torch.device) -> float:
+    """This rank's median time to send a small message to the next rank of ``ranks`` while receiving one from
+    the previous (every rank of the ring at once, as the pipeline's stages pass activations)."""
+    ring = sorted(ranks)
+    at = ring.index(rank)
+    send = torch.ones(MESSAGE_ELEMENTS, device=device)
+    received = torch.empty(MESSAGE_ELEMENTS, device=device)
+
+    def pass_on() -> None:
+        sent = dist.isend(send, ring[(at + 1) % len(ring)], group=group)
+        dist.recv(received, ring[at - 1], group=group)
+        sent.wait()
+
+    return time_ms(pass_on, device, MESSAGE_TIMING)
+
+
 def with_measured_rates(inventory: ClusterInventory, probes: list[MachineAllReduce]) -> ClusterInventory:
-    """The inventory with each machine's ``intra_bandwidth_gbps`` lowered to its probe's effective rate."""
+    """The inventory with each machine's ``intra_bandwidth_gbps`` lowered to its probe's effective rate, and
+    the cluster's ``intra_machine_us`` raised to the slowest machine's measured message where that is later
+    (the inventory holds one latency inside machines for the whole cluster)."""
     slower = {p.machine: p.effective_gbps for p in probes if p.slower_than_configured}
+    later = max((p.message_us for p in probes if p.later_than_configured), default=None)
+    if later is not None:
+        inventory = replace(inventory, latencies=replace(inventory.latencies, intra_machine_us=later))
     if not slower:
         return inventory
     machines = tuple(

@@ -150,7 +150,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     except PlanningError as error:
         dist.broadcast_object_list([error], 0)
         raise
-    notes = (*(p.note() for p in probes if p.slower_than_configured), *([size_note] if size_note else []))
+    notes = (*(note for p in probes for note in p.notes()), *([size_note] if size_note else []))
     plan = replace(plan, notes=(*plan.notes, *notes))
     dist.broadcast_object_list([plan], 0)
     return StartupResult(plan, costs, profiled.profile, planned_on)
