@@ -142,7 +142,7 @@ def probe_machines(
     return results
 
 
-def _message_ms(ranks: tuple[int, ...] | list[int], rank: int, group: Any, device: torch.device) -> float:
+def _message_ms(ranks: tuple[int, ...], rank: int, group: Any, device: torch.device) -> float:
     """This rank's median time to send a small message to the next rank of ``ranks`` while receiving one from
     the previous (every rank of the ring at once, as the pipeline's stages pass activations)."""
     ring = sorted(ranks)

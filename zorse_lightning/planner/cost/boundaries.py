@@ -27,7 +27,7 @@ class BoundaryCost:
     """Busiest link's transfers per iteration, one direction (links are full duplex)."""
     routes: tuple[tuple[int, int, int], ...]
     """(sending rank, receiving rank, microbatches) in microbatch order."""
-    route_ms: tuple[tuple[float, float], ...] = ()
+    route_ms: tuple[tuple[float, float], ...]
     """Per route: one activation's transfer forward, one gradient's back (what the receivers wait for)."""
 
 
@@ -76,7 +76,7 @@ def link_transfer_ms(ctx: CostContext, src: int, dst: int, message_bytes: float,
     return by_link[key]
 
 
-def receive_ms_per_microbatch(ctx: CostContext, plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:
+def receive_ms_per_microbatch(plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:
     """Per stage, per rank: the transfers it waits for per microbatch (see :func:`.compute.receiving_busy_ms`).
 
     A rank of stage ``i`` receives each microbatch's activation from stage ``i - 1``

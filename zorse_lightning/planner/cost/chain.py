@@ -49,7 +49,7 @@ def pipeline_elements(
         if crossings:
             latencies.append(2 * crossings[0].transfer_ms)
             busy.append(sum(b.busy_ms for b in crossings))
-    receive = receive_ms_per_microbatch(ctx, plan, boundaries)
+    receive = receive_ms_per_microbatch(plan, boundaries)
     round_trips = _round_trips_ms(plan, stages, boundaries) if degree > 1 else []
     for g in range(groups):
         element = 2 * g  # groups and boundaries alternate
