@@ -37,7 +37,13 @@ so start-up's probes are not in it: the plan predicts training's peak);
 the predicted figures are the start-up plan's (``ZorseStrategy.plan.predicted``:
 iteration time and rank 0's peak), ``microbatch_size`` the plan's.
 
-One JSON line per case::
+One JSON line per case and round (``--rounds``: each round runs every case, so a
+case's rounds lie minutes apart; ``round`` says which), then, with several rounds,
+a summary line per case: ``{"case": "summary", "model", "precision", "rounds",
+"prediction_error_pct_median", "..._min", "..._max", "ratio_median", "ratio_min",
+"ratio_max", "microbatch_sizes"}``. ``--tiny`` runs 3 rounds: this shared CPU's speed
+drifts by tens of percent within minutes, so one round's error says as much about the
+drift between start-up's profile and the timed steps as about the cost model. The case lines::
 
     {"model", "precision", "plain_samples_per_s", "zorse_samples_per_s", "ratio", "predicted_iteration_ms",
      "measured_iteration_ms", "predicted_peak_gib", "measured_peak_gib", "microbatch_size", ...}
@@ -384,6 +390,40 @@ def case_line(name: str, precision: str, size: ModelSize, plain: dict, zorse: di
     return line
 
 
+def prediction_error_pct(line: dict[str, Any]) -> float | None:
+    """How far the plan's predicted iteration time is from the measured one, in percent of the measured."""
+    predicted, measured = line.get("predicted_iteration_ms"), line.get("measured_iteration_ms")
+    return None if not (predicted and measured) else 100.0 * (predicted / measured - 1.0)
+
+
+def summary_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per case over its rounds: the median prediction error and ratio, and their spread.
+
+    On a shared host whose speed drifts by tens of percent within minutes, one
+    round compares a profile taken in one machine state with steps run in
+    another; the rounds of a case run minutes apart, and their median is the
+    figure the goal is judged on (each round's own line stays beside it)."""
+    by_case: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for line in lines:
+        if "error" not in line:
+            by_case.setdefault((line["model"], line["precision"]), []).append(line)
+    summaries = []
+    for (model, precision), rounds in by_case.items():
+        errors = [e for e in map(prediction_error_pct, rounds) if e is not None]
+        ratios = [r["ratio"] for r in rounds if r.get("ratio")]
+        summaries.append({
+            "case": "summary", "model": model, "precision": precision, "rounds": len(rounds),
+            "prediction_error_pct_median": _round(statistics.median(errors), 1) if errors else None,
+            "prediction_error_pct_min": _round(min(errors), 1) if errors else None,
+            "prediction_error_pct_max": _round(max(errors), 1) if errors else None,
+            "ratio_median": _round(statistics.median(ratios), 4) if ratios else None,
+            "ratio_min": _round(min(ratios), 4) if ratios else None,
+            "ratio_max": _round(max(ratios), 4) if ratios else None,
+            "microbatch_sizes": sorted({r["microbatch_size"] for r in rounds if r.get("microbatch_size")}),
+        })
+    return summaries
+
+
 def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Both strategies on a model too small to compute, on this CPU: wall time per step."""
     runs = {
@@ -423,7 +463,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", nargs="+", choices=sorted(MODELS), help="only these models")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="only these precisions")
     parser.add_argument("--case", nargs="+", help="only these cases, as MODEL/PRECISION (gpt_86m/bf16-mixed)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 20; --tiny 5)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 20; --tiny 10)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every case runs, one round of all cases after the other, then a summary line per "
+                             "case (default 1; --tiny 3: this CPU's speed drifts)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10; --tiny 3)")
     parser.add_argument("--overhead-steps", type=int, default=40, help="--tiny: timed steps of the host-overhead runs")
     parser.add_argument("--overhead-warmup", type=int, default=10)
@@ -435,13 +478,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="pass each run's output through to stderr")
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = 5 if args.tiny else 20
+        args.steps = 10 if args.tiny else 20
+    if args.rounds is None:
+        args.rounds = 3 if args.tiny else 1
     if args.warmup is None:
         args.warmup = 3 if args.tiny else 10
     if args.host_overhead_only and not args.tiny:
         parser.error("--host-overhead-only goes with --tiny (the host overhead is measured on this CPU)")
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be at least 1")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        parser.error("--steps, --warmup and --rounds must be at least 1")
     if args.case:
         known = {f"{m}/{p}" for m in MODELS for p in PRECISIONS}
         unknown = sorted(set(args.case) - known)
@@ -455,17 +500,25 @@ def main(argv: list[str] | None = None) -> int:
     models = TINY_MODELS if args.tiny else MODELS
     started = time.perf_counter()
     failed = False
-    for name, precision in [] if args.host_overhead_only else selected_cases(args, models):
-        size = models[name]
-        print(f"{name} {precision}:", file=sys.stderr, flush=True)
-        results = {
-            strategy: run_in_process(Run(strategy, size, precision, args.warmup, args.steps, cpu=args.tiny,
-                                         threads=1 if args.tiny else 0), args.timeout, args.verbose)
-            for strategy in ("plain", "zorse")
-        }
-        line = case_line(name, precision, size, results["plain"], results["zorse"], args.tiny)
-        failed |= "error" in line
-        print(json.dumps(line), flush=True)
+    cases = [] if args.host_overhead_only else selected_cases(args, models)
+    lines = []
+    for round_index in range(args.rounds):
+        for name, precision in cases:
+            size = models[name]
+            print(f"{name} {precision} (round {round_index + 1} of {args.rounds}):", file=sys.stderr, flush=True)
+            results = {
+                strategy: run_in_process(Run(strategy, size, precision, args.warmup, args.steps, cpu=args.tiny,
+                                             threads=1 if args.tiny else 0), args.timeout, args.verbose)
+                for strategy in ("plain", "zorse")
+            }
+            line = case_line(name, precision, size, results["plain"], results["zorse"], args.tiny)
+            line["round"] = round_index + 1
+            failed |= "error" in line
+            lines.append(line)
+            print(json.dumps(line), flush=True)
+    if args.rounds > 1:
+        for line in summary_lines(lines):
+            print(json.dumps(line), flush=True)
     if args.compare_steps and not args.host_overhead_only:
         print("parameters:", file=sys.stderr, flush=True)
         line = parameters_line(args, models)

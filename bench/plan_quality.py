@@ -38,8 +38,8 @@ The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
 "skipped"}`` (each case also gives its plan's stages, idle GPUs, sharding per stage and
 interleaving degree with the planner's note on it: how the plan is shaped, beside how
 fast it is, and its own ``ilp``; ``interleaved_plans``: plans per degree, 1 plain).
-``--interleaving`` / ``--no-interleaving`` overrides ``capabilities.SUPPORTS_INTERLEAVING``
-for the run (the planner reads it when it plans). Goals (issue 3): 0, 0
+``--no-interleaving`` plans with ``max_interleave=1`` (never interleaved); by default
+the planner interleaves where the engine runs it (``capabilities.SUPPORTS_INTERLEAVING``). Goals (issue 3): 0, 0
 and at most 1.5.
 """
 
@@ -56,7 +56,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from zorse_lightning import capabilities
 from zorse_lightning.capabilities import SUPPORTS_IDLE_RANKS
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
@@ -317,13 +316,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--samples-per-gpu", type=int, default=SAMPLES_PER_GPU, help="global batch = this x GPUs")
     parser.add_argument(
-        "--interleaving", action=argparse.BooleanOptionalAction, default=capabilities.SUPPORTS_INTERLEAVING,
-        help="let the planner interleave its plans (default: what the engine runs; --interleaving forces it on)",
+        "--interleaving", action=argparse.BooleanOptionalAction, default=True,
+        help="let the planner interleave its plans where the engine runs them (--no-interleaving: max_interleave=1)",
     )
     parser.add_argument("--max-interleave", type=int, default=PlannerOptions.max_interleave)
     args = parser.parse_args(argv)
-    capabilities.SUPPORTS_INTERLEAVING = args.interleaving  # read by the planner at call time
-    options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks, max_interleave=args.max_interleave)
+    options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks, max_interleave=args.max_interleave if args.interleaving else 1)
     console = Console(width=None if Console().is_terminal else 180)
     warnings.simplefilter("ignore", MixedProfileSourcesWarning)  # expected: the data has holes (issue 3, section 1)
     cases: list[Case] = []

@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.table import Table
 
 from testing.synthetic_cluster import synthetic_cluster
-from zorse_lightning import capabilities
 from zorse_lightning.planner import PlannerOptions, make_plan
 from zorse_lightning.profiling import MixedProfileSourcesWarning, reference_profile
 
@@ -43,11 +42,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpus", nargs="+", type=int, default=list(SIZES))
     parser.add_argument("--model", default="llama_7b")
     parser.add_argument(
-        "--interleaving", action=argparse.BooleanOptionalAction, default=capabilities.SUPPORTS_INTERLEAVING,
-        help="let the planner interleave its plans (default: what the engine runs; --interleaving forces it on)",
+        "--interleaving", action=argparse.BooleanOptionalAction, default=True,
+        help="let the planner interleave its plans where the engine runs them (--no-interleaving: max_interleave=1)",
     )
     args = parser.parse_args(argv)
-    capabilities.SUPPORTS_INTERLEAVING = args.interleaving  # read by the planner at call time
+    options = PlannerOptions() if args.interleaving else PlannerOptions(max_interleave=1)
     warnings.simplefilter("ignore", MixedProfileSourcesWarning)  # expected: the data has holes
     console = Console(width=None if Console().is_terminal else 140)
     table = Table(title=f"planning time, {args.model}, {SAMPLES_PER_GPU} samples per GPU")
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         profile = reference_profile(args.model, [t.name for t in inventory.gpu_types])
         batch = SAMPLES_PER_GPU * num_gpus
         with console.status(f"planning {num_gpus} GPUs"):
-            plan = make_plan(inventory, profile, batch, PlannerOptions())
+            plan = make_plan(inventory, profile, batch, options)
         seconds.append(plan.planner_seconds)
         table.add_row(
             str(num_gpus),

@@ -31,8 +31,8 @@ PRECISIONS = {"bf16-mixed", "32-true"}
 @pytest.fixture(scope="module")
 def lines() -> list[dict]:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.one_gpu", "--tiny", "--warmup", "1", "--steps", "2", "--compare-steps", "4",
-         "--overhead-warmup", "2", "--overhead-steps", "5"],  # the code paths, not figures: few steps
+        [sys.executable, "-m", "bench.one_gpu", "--tiny", "--warmup", "1", "--steps", "2", "--rounds", "1",
+         "--compare-steps", "4", "--overhead-warmup", "2", "--overhead-steps", "5"],  # the code paths, not figures: few steps
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
@@ -53,6 +53,8 @@ def test_every_case_prints_its_line(lines):
         assert case["predicted_iteration_ms"] is None or case["predicted_iteration_ms"] > 0, case
         assert case["measured_peak_gib"] is None, case  # CPU: no CUDA allocator to ask
         assert case["sizes"]["tiny"] is True, case
+        assert case["round"] == 1, case
+    assert not [line for line in lines if line.get("case") == "summary"]  # one round: nothing to sum up
 
 
 def test_host_overhead_line(lines):
