@@ -10,7 +10,8 @@ from bench.one_gpu import prediction_error_pct, summary_lines
 
 def _line(model: str, predicted: float, measured: float, ratio: float, microbatch: int = 8, **extra) -> dict:
     return {"model": model, "precision": "32-true", "predicted_iteration_ms": predicted,
-            "measured_iteration_ms": measured, "ratio": ratio, "microbatch_size": microbatch, **extra}
+            "measured_iteration_ms": measured, "ratio": ratio, "microbatch_size": microbatch,
+            "plain_iteration_ms": measured * ratio, **extra}
 
 
 def test_prediction_error_is_in_percent_of_the_measured_time():
@@ -30,6 +31,7 @@ def test_each_case_is_summed_up_over_its_rounds_by_the_median():
         "case": "summary", "model": "gpt", "precision": "32-true", "rounds": 3,
         "prediction_error_pct_median": 0.0, "prediction_error_pct_min": -10.0, "prediction_error_pct_max": 30.0,
         "ratio_median": 1.1, "ratio_min": 0.9, "ratio_max": 1.3, "microbatch_sizes": [8],
+        "plain_iteration_ms_min": 90.0, "plain_iteration_ms_max": 130.0,
     }
     assert llama["rounds"] == 2  # the failed round is no figure
     assert llama["prediction_error_pct_median"] == -10.0 and llama["ratio_median"] == 0.9
