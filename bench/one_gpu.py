@@ -59,9 +59,11 @@ zorse trained in, and why), ``device``, ``sizes`` and, where a run failed,
 emulate=False)``), small sizes (width 64, 2-3 layers, sequence 32, batch 8), few
 steps; the peak fields are null. It then prints the host overhead, where no
 compute can hide it: both strategies on a model too small to compute (width 8,
-2 layers, sequence 4, batch 8), the median wall time per step of each::
+2 layers, sequence 4, batch 8), the median wall time per step of each, the pair
+run once a round and every figure the median over the rounds::
 
-    {"case": "host_overhead", "plain_host_ms_per_step", "zorse_host_ms_per_step", "difference_ms"}
+    {"case": "host_overhead", "plain_host_ms_per_step", "plain_host_ms_min", "zorse_host_ms_per_step",
+     "zorse_host_ms_min", "difference_ms", "differences_ms", "rounds", "steps", "sizes"}
 
 The project's goal is zorse within 1 ms a step of plain.
 """
@@ -430,24 +432,32 @@ def summary_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    """Both strategies on a model too small to compute, on this CPU: wall time per step."""
-    runs = {
-        name: run_in_process(Run(name, HOST_OVERHEAD_MODEL, "32-true", args.overhead_warmup, args.overhead_steps,
-                                 cpu=True, threads=1), args.timeout, args.verbose)
-        for name in ("plain", "zorse")
-    }
+    """Both strategies on a model too small to compute, on this CPU: wall time per step, the pair run
+    ``args.rounds`` times in turn (this CPU's speed drifts between runs seconds apart) and each figure the
+    median over the rounds; ``difference_ms`` is the median of each round's own difference."""
     line: dict[str, Any] = {"case": "host_overhead"}
-    for name, result in runs.items():
-        line[f"{name}_host_ms_per_step"] = _round(result.get("median_step_ms"))
-    for name, result in runs.items():  # the least step: what contention from other work on the cores leaves
-        line[f"{name}_host_ms_min"] = min(result["step_ms"]) if "step_ms" in result else None
-    if None not in (line["plain_host_ms_per_step"], line["zorse_host_ms_per_step"]):
-        line["difference_ms"] = round(line["zorse_host_ms_per_step"] - line["plain_host_ms_per_step"], 3)
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):
+        runs = {
+            name: run_in_process(Run(name, HOST_OVERHEAD_MODEL, "32-true", args.overhead_warmup, args.overhead_steps,
+                                     cpu=True, threads=1), args.timeout, args.verbose)
+            for name in ("plain", "zorse")
+        }
+        errors = [r["error"] for r in runs.values() if "error" in r]
+        if errors:
+            line["error"] = "\n".join(errors)
+            return line
+        rounds.append({
+            f"{name}_{figure}": value for name, result in runs.items()
+            for figure, value in (("host_ms_per_step", result["median_step_ms"]), ("host_ms_min", min(result["step_ms"])))
+        })
+    for key in rounds[0]:  # the least step: what contention from other work on the cores leaves
+        line[key] = _round(statistics.median(r[key] for r in rounds))
+    line["difference_ms"] = _round(statistics.median(r["zorse_host_ms_per_step"] - r["plain_host_ms_per_step"] for r in rounds))
+    line["differences_ms"] = [_round(r["zorse_host_ms_per_step"] - r["plain_host_ms_per_step"]) for r in rounds]
+    line["rounds"] = args.rounds
     line["steps"] = args.overhead_steps
     line["sizes"] = asdict(HOST_OVERHEAD_MODEL)
-    errors = [r["error"] for r in runs.values() if "error" in r]
-    if errors:
-        line["error"] = "\n".join(errors)
     return line
 
 
