@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.errors import InventoryError
 from zorse_lightning.startup.link_probe import (
     MAX_PROBE_BYTES,
     MIN_PROBE_BYTES,
@@ -54,20 +55,39 @@ def test_only_a_slower_measurement_lowers_the_configured_rate() -> None:
     assert with_measured_rates(inventory, [faster]) is inventory
 
 
-def test_only_a_later_message_raises_the_latency_inside_machines() -> None:
-    """A small message measured at 1.5 ms against the configured 5 us: every message inside a machine is
-    priced at the measured time (the inventory's one intra-machine latency), the links between machines
-    keep theirs, and the note says so; a message on time changes nothing."""
-    inventory = load_cluster(CLUSTER)
+TWO_MACHINES = {
+    "name": "two",
+    "machines": [
+        {"name": "m0", "intra_bandwidth_gbps": 1000, "gpus": [{"type": "a100x40", "count": 2}]},
+        {"name": "m1", "intra_bandwidth_gbps": 10, "intra_latency_us": 40, "gpus": [{"type": "t4", "count": 2}]},
+    ],
+}
+
+
+def test_only_a_later_message_raises_the_latency_inside_its_machine() -> None:
+    """A small message measured at 1.5 ms on m0 against its configured 5 us: every message inside m0 is
+    priced at the measured time; m1's ranks keep the latency their own config gives, the links between
+    machines keep theirs, and the note says so; a message on time changes nothing."""
+    inventory = load_cluster(TWO_MACHINES)
     configured_us = inventory.latency_us(0, 1)
+    assert configured_us == inventory.latencies.intra_machine_us and inventory.latency_us(2, 3) == 40.0
     on_time = MachineAllReduce("m0", 2, 4_000_000, 10.0, 1000.0, 5000.0, configured_us / 2, configured_us)
-    assert with_measured_rates(inventory, [on_time]) is inventory and on_time.notes() == []
+    m1_on_time = MachineAllReduce("m1", 2, 4_000_000, 10.0, 10.0, 50.0, 30.0, 40.0)
+    assert with_measured_rates(inventory, [on_time, m1_on_time]) is inventory and on_time.notes() == []
     late = replace(on_time, message_us=1500.0)
-    raised = with_measured_rates(inventory, [late])
-    assert raised.latency_us(0, 1) == 1500.0 and raised.latency_us(0, 2) == inventory.latency_us(0, 2)
+    raised = with_measured_rates(inventory, [late, m1_on_time])
+    assert raised.latency_us(0, 1) == 1500.0 and raised.latency_us(2, 3) == 40.0
+    assert raised.latency_us(0, 2) == inventory.latency_us(0, 2)
     assert raised.bandwidth_gbps(0, 1) == inventory.bandwidth_gbps(0, 1)
+    assert raised.machines[1] == inventory.machines[1]
     (note,) = late.notes()
     assert "1.50 ms" in note and "planned with the measured latency" in note
+
+
+def test_a_machines_own_latency_must_be_a_number_of_microseconds() -> None:
+    bad = {**TWO_MACHINES, "machines": [{**TWO_MACHINES["machines"][1], "intra_latency_us": -1}]}
+    with pytest.raises(InventoryError, match=r"machine 'm1': intra_latency_us=-1(\.0)? must be a number of microseconds >= 0"):
+        load_cluster(bad)
 
 
 def test_probe_size_is_the_gradient_bytes_within_bounds() -> None:

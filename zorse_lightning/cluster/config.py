@@ -52,6 +52,8 @@ class MachineSpec:
     intra_bandwidth_gbps: Optional[float] = None
     """Default: the slowest peer bandwidth among the machine's GPU types."""
     datacenter: str = "dc0"
+    intra_latency_us: Optional[float] = None
+    """Default: the cluster's ``latencies.intra_machine_us``."""
 
 
 @dataclass
@@ -139,6 +141,7 @@ def _machine(spec: dict, catalog: GpuCatalog, cluster_name: str) -> Machine:
         intra_bandwidth_gbps=intra if intra is not None else 1.0,
         datacenter=spec.get("datacenter", "dc0"),
         memory_budget_gib=tuple(budgets),
+        intra_latency_us=spec.get("intra_latency_us"),
     )
 
 

@@ -47,6 +47,9 @@ class Machine:
     datacenter: str = "dc0"
     memory_budget_gib: tuple[float, ...] = ()
     """Per-GPU memory budgets (empty: each type's full memory)."""
+    intra_latency_us: float | None = None
+    """Per-message latency between this machine's GPUs (None: the cluster's ``latencies.intra_machine_us``);
+    start-up raises it to what its ranks measure where that is later."""
 
     def __post_init__(self) -> None:
         if not self.gpu_types:
@@ -62,6 +65,13 @@ class Machine:
             )
         for budget in self.memory_budget_gib:
             _check_positive(f"machine {self.name!r}: memory_gib", budget)
+        if self.intra_latency_us is not None and not (
+            isinstance(self.intra_latency_us, (int, float)) and self.intra_latency_us >= 0
+        ):
+            raise InventoryError(
+                f"machine {self.name!r}: intra_latency_us={self.intra_latency_us!r} must be a number of "
+                f"microseconds >= 0; give the figure, or leave it out for the cluster's latencies.intra_machine_us"
+            )
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:
@@ -204,9 +214,9 @@ class ClusterInventory:
         kind = self.link_kind(rank_a, rank_b)
         if kind is LinkKind.SAME_GPU:
             return 0.0
-        if kind is LinkKind.INTRA_MACHINE:
-            return self.latencies.intra_machine_us
         ma, mb = self.machine_of(rank_a), self.machine_of(rank_b)
+        if kind is LinkKind.INTRA_MACHINE:
+            return ma.intra_latency_us if ma.intra_latency_us is not None else self.latencies.intra_machine_us
         override = self._machine_link(ma.name, mb.name)
         if override is not None and override.latency_us is not None:
             return override.latency_us

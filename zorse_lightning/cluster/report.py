@@ -21,7 +21,7 @@ def _gpu_summary(types: list[str]) -> str:
 def inventory_tables(inventory: ClusterInventory) -> list[Table]:
     title = f"cluster {inventory.name}" + (" (CPU ranks emulating GPU types)" if inventory.emulated else "")
     machines = Table(title=title)
-    for column in ("machine", "datacenter", "ranks", "GPUs", "memory GiB", "peak TFLOPS", "inside Gb/s"):
+    for column in ("machine", "datacenter", "ranks", "GPUs", "memory GiB", "peak TFLOPS", "inside Gb/s", "inside us"):
         machines.add_column(
             column, justify="left" if column in ("machine", "datacenter", "GPUs") else "right", no_wrap=True
         )
@@ -36,6 +36,7 @@ def inventory_tables(inventory: ClusterInventory) -> list[Table]:
             f"{sum(g.memory_gib for g in gpus):g}",
             f"{sum(g.gpu_type.peak_tflops for g in gpus):g}",
             f"{machine.intra_bandwidth_gbps:g}",
+            f"{inventory.latency_us(rank, rank + 1):g}" if len(gpus) > 1 else "",
         )
         rank += len(gpus)
     machines.add_section()
@@ -46,6 +47,7 @@ def inventory_tables(inventory: ClusterInventory) -> list[Table]:
         _gpu_summary([g.gpu_type.name for g in inventory.gpus]),
         f"{inventory.total_memory_gib:g}",
         f"{inventory.total_peak_tflops:g}",
+        "",
         "",
     )
     tables = [machines]

@@ -83,8 +83,8 @@ class MachineAllReduce:
         if self.later_than_configured:
             said.append(
                 f"machine {self.machine!r}: a small message between its ranks took {self.message_us / 1e3:.2f} ms at "
-                f"start, above the cluster's intra_machine_us {self.configured_latency_us:g}: planned with the "
-                f"measured latency"
+                f"start, above the {self.configured_latency_us:g} us configured (its intra_latency_us, else the "
+                f"cluster's latencies.intra_machine_us): planned with the measured latency"
             )
         if self.slower_than_configured:
             said.append(
@@ -160,15 +160,14 @@ def _message_ms(ranks: tuple[int, ...], rank: int, group: Any, device: torch.dev
 
 def with_measured_rates(inventory: ClusterInventory, probes: list[MachineAllReduce]) -> ClusterInventory:
     """The inventory with each machine's ``intra_bandwidth_gbps`` lowered to its probe's effective rate, and
-    the cluster's ``intra_machine_us`` raised to the slowest machine's measured message where that is later
-    (the inventory holds one latency inside machines for the whole cluster)."""
+    its ``intra_latency_us`` raised to its measured message, where those are slower than configured."""
     slower = {p.machine: p.effective_gbps for p in probes if p.slower_than_configured}
-    later = max((p.message_us for p in probes if p.later_than_configured), default=None)
-    if later is not None:
-        inventory = replace(inventory, latencies=replace(inventory.latencies, intra_machine_us=later))
-    if not slower:
+    later = {p.machine: p.message_us for p in probes if p.later_than_configured}
+    if not (slower or later):
         return inventory
     machines = tuple(
-        replace(m, intra_bandwidth_gbps=slower[m.name]) if m.name in slower else m for m in inventory.machines
+        replace(m, intra_bandwidth_gbps=slower.get(m.name, m.intra_bandwidth_gbps),
+                intra_latency_us=later.get(m.name, m.intra_latency_us))
+        for m in inventory.machines
     )
     return replace(inventory, machines=machines)
