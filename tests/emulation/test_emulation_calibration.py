@@ -35,6 +35,34 @@ def test_calibration_runs_at_the_fixed_size_whatever_the_first_call() -> None:
         assert list(costs) == [cost_key("layer", "(4,):torch.float32")]
 
 
+class _BatchTimesHeads(nn.Module):
+    """As Bloom's attention: a bias whose dim 0 folds the batch with the heads, so resizing dim 0 of the
+    activation alone breaks the call."""
+
+    HEADS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        per_head = self.linear(x).repeat_interleave(self.HEADS, dim=0)  # (batch x heads, 4)
+        return (per_head + bias).reshape(x.shape[0], self.HEADS, 4).sum(1)
+
+
+def test_a_call_that_breaks_when_resized_is_calibrated_as_it_came() -> None:
+    module = _BatchTimesHeads()
+    costs = calibrate_modules(
+        [("layer", module)], lambda: module(torch.randn(1, 4), bias=torch.zeros(_BatchTimesHeads.HEADS, 4)),
+        batch_samples=1,
+    )
+    assert module.sizes[-(CALIBRATION_REPEATS + 2):] == [1] * (CALIBRATION_REPEATS + 2)  # as it came, then real
+    (cost,) = costs.values()
+    assert cost.forward_s_per_sample > 0 and cost.backward_s_per_sample > 0
+
+
 def test_preloaded_costs_are_used_without_recalibrating() -> None:
     module = _Recorder()
     key = cost_key("blocks.3", "(4,):torch.float32")

@@ -1,9 +1,11 @@
-"""Hugging Face decoder models trained unchanged: GPT-2, Llama, Mistral and Qwen2 from small configs.
+"""Hugging Face decoder models trained unchanged: GPT-2, Llama, Mistral, Qwen2 and Bloom from small configs.
 
 The module is what a user writes: a LightningModule around ``AutoModelForCausalLM``
 whose step returns ``self.model(input_ids=x, labels=x).loss``. Each model on
 ``cpu_sim4`` (four emulated GPU types) is (a) planned at start, (b) run on a
-pinned 2-stage pipeline, (c) run on an asymmetric pipeline (stage 0 one A100,
+pinned 2-stage pipeline, at microbatches of two samples and of one (emulated
+calibration then resizes each call: the received activation and the side inputs
+must be resized alike), (c) run on an asymmetric pipeline (stage 0 one A100,
 stage 1 a V100 and two T4s sharding all training state unevenly, gathered once per
 step), (d) stopped after two steps and resumed from the checkpoint, (e) run as
 one stage of four ranks with uneven microbatches and shards, each layer gathered
@@ -13,7 +15,9 @@ and resumed onto that plan from (d)'s checkpoint. Every run must end at the para
 the same initial weights on the global batch (4 ranks x a loader batch of 4 = 16,
 as with DDP). Llama, Mistral and Qwen2 pass rotary embeddings and masks to every
 layer as keyword arguments, made once before the layers: they must be real on
-every stage. A Llama saved with ``save_pretrained`` is also read per stage into a module built
+every stage. Bloom's layers return a tuple (the activation, then attention weights), which the
+blocks passing their input on before a stage must return alike, and its ALiBi bias folds the
+batch and the heads into dim 0. A Llama saved with ``save_pretrained`` is also read per stage into a module built
 on the meta device. One set of four processes runs every case.
 """
 
@@ -41,7 +45,7 @@ STEPS = 3
 PER_RANK_BATCH = 4
 GLOBAL_BATCH = PER_RANK_BATCH * WORLD
 VOCAB, SEQ = 64, 8
-ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2")
+ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "bloom")
 
 
 def config(arch: str):
@@ -49,6 +53,10 @@ def config(arch: str):
         return transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=2, n_positions=SEQ,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    if arch == "bloom":  # layers return (hidden, attention weights); ALiBi's bias folds batch and heads in dim 0
+        return transformers.BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=4, n_head=2, hidden_dropout=0.0, attention_dropout=0.0,
         )
     kinds = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
     return getattr(transformers, kinds[arch])(
@@ -110,6 +118,7 @@ def _difference(module: CausalLm, expected: dict[str, torch.Tensor]) -> float:
 def _worker(rank: int, tmp: Path) -> dict:
     sim4 = load_cluster("cpu_sim4")
     pinned = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4)
+    one_sample = hand_plan([((0, 1), (8, 8), (0, 2)), ((2, 3), (8, 8), (2, 4))], 1, inventory=sim4)
     asymmetric = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4,
                            sharding=Sharding.FULL, shard_fractions={1: (0.5, 0.2, 0.3)})
     gathered = hand_plan([((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))], 2, inventory=sim4, sharding=Sharding.FULL,
@@ -125,6 +134,7 @@ def _worker(rank: int, tmp: Path) -> dict:
             "planned": _difference(_fit(arch, planned, STEPS, tmp), expected),
             "planned_stages": len(planned.plan.stages),
             "pinned": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=pinned), STEPS, tmp), expected),
+            "microbatch_of_one": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=one_sample), STEPS, tmp), expected),
             "asymmetric": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=asymmetric), STEPS, tmp), expected),
             "gathered": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=gathered), STEPS, tmp), expected),
             "interleaved": _difference(_fit(arch, ZorseStrategy(cluster=sim4, plan=interleaved), STEPS, tmp), expected),
@@ -161,7 +171,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("case", ["planned", "pinned", "asymmetric", "resumed", "gathered", "interleaved", "resumed_interleaved"])
+@pytest.mark.parametrize("case", ["planned", "pinned", "microbatch_of_one", "asymmetric", "resumed", "gathered", "interleaved", "resumed_interleaved"])
 def test_trains_as_one_process_does(results, arch, case):
     for rank, result in enumerate(results):
         assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])

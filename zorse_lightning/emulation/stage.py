@@ -96,41 +96,23 @@ def _stand_ins(root: nn.Module, cut: StageCut):
 
 
 class _StageBoundaries:
-    """Makes a stage's first and last blocks look like ordinary calls to the emulator's hooks.
+    """Makes a stage's last block look like an ordinary call to the emulator's hooks.
 
-    The cut swaps the received activation in *inside* the first local block's
-    forward, and ends the stage by raising :class:`StageOutput` *inside* the last
-    one's. The emulator hooks the module call around that forward, so it would
-    mark (for the backward's end) the placeholder input instead of the received
-    activation, skip the deadline of a forward that raised, and calibrate by
-    calling the raising forward (returning a graph cut off from the stage's
-    input). Here the received activation is swapped in before the emulator's
-    hook (and its marked version handed to the cut after it), and the last
-    block returns normally, its output raised as :class:`StageOutput` by a hook
-    that runs after the emulator's.
+    The cut ends the stage by raising :class:`StageOutput` *inside* the last
+    local block's forward. The emulator hooks the module call around that
+    forward, so it would skip the deadline of a forward that raised, and
+    calibrate by calling the raising forward. Here the last block returns
+    normally, its output raised as :class:`StageOutput` by a hook that runs
+    after the emulator's. (The received activation needs nothing here: the cut
+    swaps it in with a pre-hook that runs before the emulator's.)
     """
 
     def __init__(self, cut: StageCut) -> None:
         self._handles: list[RemovableHandle] = []
         self._patched: list[tuple[nn.Module, Any]] = []
-        for stage in cut.chunks:  # interleaved: every chunk's ends, each active only while its stage runs
-            start, end = cut.layers_of(stage)
-            if stage > 0:
-                self._receive_at(cut, start)
+        for stage in cut.chunks:  # interleaved: every chunk's end, each active only while its stage runs
             if stage < cut.last_stage:
-                self._end_at(cut, end - 1)
-
-    def _receive_at(self, cut: StageCut, index: int) -> None:
-        def receive(module: nn.Module, args: tuple) -> tuple | None:
-            return (cut.incoming, *args[1:]) if cut.receives_at(index) and cut.incoming is not None else None
-
-        def hand_marked(module: nn.Module, args: tuple) -> None:
-            if cut.receives_at(index) and cut.incoming is not None:
-                cut.incoming = args[0]
-
-        first = cut.blocks.blocks[index]
-        self._handles.append(first.register_forward_pre_hook(receive, prepend=True))
-        self._handles.append(first.register_forward_pre_hook(hand_marked))
+                self._end_at(cut, cut.layers_of(stage)[1] - 1)
 
     def _end_at(self, cut: StageCut, index: int) -> None:
         last = cut.blocks.blocks[index]

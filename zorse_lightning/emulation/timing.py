@@ -138,7 +138,8 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | 
     (``samples`` None: on this input as it is, for a cost per call), without side effects on training.
 
     Tensors whose dim 0 is the call's ``samples`` are cut or repeated to the
-    fixed size (others, such as masks shared by the batch, are kept). Runs on detached copies of the inputs
+    fixed size (others, such as masks shared by the batch, are kept); where the
+    resized call fails, the call as it came is timed and divided by its samples. Runs on detached copies of the inputs
     (a stateful one, such as a key/value cache a layer appends to, copied afresh for every run, so the real
     call's never changes and no run reaches another's graph), takes gradients with
     ``torch.autograd.grad`` (nothing accumulates into ``.grad``), restores the
@@ -148,27 +149,43 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | 
     """
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     devices = sorted({t.device.index for t in flatten_tensors((args, kwargs)) if t.device.type == "cuda"})
-    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=devices):
-        inputs = replace_tensors((args, kwargs), lambda t: _fresh_input(_resized(t, samples)))
-        leaves = [t for t in flatten_tensors(inputs) if t.requires_grad]
-        leaves += [p for p in module.parameters() if p.requires_grad]
-        forward_s, backward_s = [], []
-        for _ in range(CALIBRATION_REPEATS + 1):
-            call_args, call_kwargs = fresh_side_state(inputs)
-            start = time.perf_counter()
-            outputs = [t for t in flatten_tensors(module.forward(*call_args, **call_kwargs)) if t.requires_grad]
-            _synchronize(outputs)
-            middle = time.perf_counter()
-            if outputs and leaves:
-                torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
-            _synchronize(outputs)
-            forward_s.append(middle - start)
-            backward_s.append(time.perf_counter() - middle)
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
-    per = CALIBRATION_SAMPLES if samples is not None else 1
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            try:
+                forward_s, backward_s = _timed_runs(module, args, kwargs, samples)
+                per = CALIBRATION_SAMPLES if samples is not None else 1
+            except RuntimeError:
+                # Resizing dim 0 broke the call: an input folds the batch into dim 0 with something else
+                # (Bloom's and Falcon's ALiBi biases are batch x heads), so it kept its size while the
+                # activation changed. Calibrate on the call as it came instead.
+                forward_s, backward_s = _timed_runs(module, args, kwargs, None)
+                per = samples or 1
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     return CallCost(min(forward_s[1:]) / per, min(backward_s[1:]) / per)
+
+
+def _timed_runs(module: nn.Module, args: tuple, kwargs: dict, samples: int | None) -> tuple[list[float], list[float]]:
+    """Seconds of each forward and backward of ``module`` on fresh copies of the call, resized to
+    :data:`CALIBRATION_SAMPLES` where ``samples`` is given (the first run warms up)."""
+    inputs = replace_tensors((args, kwargs), lambda t: _fresh_input(_resized(t, samples)))
+    leaves = [t for t in flatten_tensors(inputs) if t.requires_grad]
+    leaves += [p for p in module.parameters() if p.requires_grad]
+    forward_s, backward_s = [], []
+    for _ in range(CALIBRATION_REPEATS + 1):
+        call_args, call_kwargs = fresh_side_state(inputs)
+        start = time.perf_counter()
+        outputs = [t for t in flatten_tensors(module.forward(*call_args, **call_kwargs)) if t.requires_grad]
+        _synchronize(outputs)
+        middle = time.perf_counter()
+        if outputs and leaves:
+            torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        _synchronize(outputs)
+        forward_s.append(middle - start)
+        backward_s.append(time.perf_counter() - middle)
+    return forward_s, backward_s
 
 
 def _resized(tensor: torch.Tensor, samples: int | None) -> torch.Tensor:

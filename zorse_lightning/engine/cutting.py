@@ -2,10 +2,13 @@
 
 The user's own step runs on every rank; what changes is the blocks' ``forward``:
 
-- blocks before the stage pass their input through (it is a meta tensor there);
+- blocks before the stage pass their input through (it is a meta tensor there),
+  in the form the blocks return it (:mod:`~zorse_lightning.module.block_output`);
 - the first local block computes on the activation received from the previous
-  stage instead of its input;
-- the last local block of a non-last stage records its output and raises
+  stage instead of its input, swapped in by a forward pre-hook that runs before
+  any other (so hooks around the call, such as an emulator's, see and may
+  re-run the call the block computes, with the inputs it computes on);
+- the last local block of a non-last stage records its activation and raises
   :class:`StageOutput`, which ends the microbatch on this rank (the executor
   sends the output on); blocks after it are never reached.
 
@@ -188,6 +191,10 @@ class StageCut:
         self._free_outside_buffers()
         for index, block in enumerate(self.blocks.blocks):
             block.forward = self._block_forward(index, block.forward)
+        for stage in self.chunks:
+            if stage > 0:
+                start = self.layers_of(stage)[0]
+                self.blocks.blocks[start].register_forward_pre_hook(self._swap_in_received(start), prepend=True)
         for name in self.analysis.pre_modules:
             module = self.root.get_submodule(name)
             if module._parameters:  # weights only the first stage uses; buffer-only modules run for real
@@ -225,25 +232,40 @@ class StageCut:
     def _zeros_like(self, value: Any) -> Any:
         return torch.zeros(value.shape, dtype=value.dtype, device=self.device) if isinstance(value, torch.Tensor) else value
 
+    def _swap_in_received(self, index: int) -> Callable:
+        """Pre-hook of block ``index``, the first of one of this rank's stages: the received activation in
+        place of its input (a stand-in passed on) while that stage runs.
+
+        A hook, not part of the patched forward: a hook that re-runs the call
+        (the emulator's calibration, on inputs resized to its own sample count)
+        must find the block computing on the inputs it was given, or the block
+        would mix the received microbatch with side inputs of another size.
+        """
+
+        def swap_in(module: nn.Module, args: tuple) -> tuple | None:
+            if not self.receives_at(index):
+                return None
+            if self.incoming is None:
+                raise RuntimeError(f"block {index} expects an activation from the previous stage; none was received")
+            return (self.incoming, *args[1:])
+
+        return swap_in
+
     def _block_forward(self, index: int, original: Callable) -> Callable:
         compute = checkpoint_forward(original) if self.stage.recompute else original
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             start, end = self.layers_of(self.active)
-            if index < start:
-                return args[0]  # before the running stage: its input is a stand-in, passed on
+            if index < start:  # before the running stage: its input is a stand-in, passed on
+                return self.analysis.output_form.passed_on(args, kwargs)
             if index >= end:
                 raise RuntimeError(
                     f"block {index} of {self.blocks.path} was called on stage {self.active} (layers {start}..{end - 1}) "
                     f"after the stage's last block; the step caught the stage's end (StageOutput) and went on"
                 )
-            if self.receives_at(index):
-                if self.incoming is None:
-                    raise RuntimeError(f"block {index} expects an activation from the previous stage; none was received")
-                args = (self.incoming, *args[1:])
             output = compute(*args, **kwargs)
             if self.ends_at(index):
-                raise StageOutput(output)
+                raise StageOutput(self.analysis.output_form.activation(output))
             return output
 
         return forward

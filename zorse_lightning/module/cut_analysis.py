@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zorse_lightning.module.block_output import OutputForm
 from zorse_lightning.module.blocks import BlockList
 
 
@@ -38,6 +39,8 @@ class CutAnalysis:
     """Modules that run after the last block."""
     problem: str | None = None
     """Why the module cannot be cut (None: it can)."""
+    output_form: OutputForm = OutputForm()
+    """How the blocks return their activation (what a block passing its input on returns)."""
 
 
 def _owns_state(module: nn.Module) -> bool:
@@ -108,8 +111,10 @@ def probe_cut(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any]) -
     pre = tuple(dict.fromkeys(n for n, calls in rec.module_calls if calls == 0))
     post = tuple(dict.fromkeys(n for n, calls in rec.module_calls if calls == count))
 
+    forms = [OutputForm.of(output, args, kwargs) for _, args, kwargs, output in rec.block_calls]
+
     def analysis(problem: str | None) -> CutAnalysis:
-        return CutAnalysis(blocks.path, count, pre, post, problem)
+        return CutAnalysis(blocks.path, count, pre, post, problem, forms[0] if forms and forms[0] else OutputForm())
 
     order = [index for index, *_ in rec.block_calls]
     if order != list(range(count)):
@@ -117,9 +122,15 @@ def probe_cut(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any]) -
     between = sorted({n for n, calls in rec.module_calls if 0 < calls < count})
     if between:
         return analysis(f"modules {between} run between blocks of {blocks.path}; their weights would be needed on every stage")
-    outputs = [output for _, _, _, output in rec.block_calls]
-    if not all(isinstance(o, torch.Tensor) for o in outputs):
-        return analysis(f"the blocks of {blocks.path} return {type(outputs[0]).__name__}, not a tensor")
+    if None in forms:
+        odd = next(output for (*_, output), form in zip(rec.block_calls, forms) if form is None)
+        return analysis(
+            f"the blocks of {blocks.path} return {type(odd).__name__}, neither a tensor nor a tuple or list that "
+            f"starts with one (the activation passed to the next block)"
+        )
+    if len(set(forms)) > 1:
+        return analysis(f"the blocks of {blocks.path} return their activation in different forms: {sorted(set(map(str, forms)))}")
+    outputs = [form.activation(output) for form, (*_, output) in zip(forms, rec.block_calls)]
     for index, args, kwargs, _ in rec.block_calls[1:]:
         if not args or args[0] is not outputs[index - 1]:
             return analysis(

@@ -22,12 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zorse_lightning.module.block_output import OutputForm
 from zorse_lightning.module.blocks import BlockList
 from zorse_lightning.module.materialize import materialize, move_to_device, undo
-
-
-def _passthrough(*args: Any, **kwargs: Any) -> Any:
-    return args[0]
 
 
 def _view_tensor_ids(root: nn.Module, blocks: BlockList) -> set[int]:
@@ -42,18 +39,38 @@ def _view_tensor_ids(root: nn.Module, blocks: BlockList) -> set[int]:
     }
 
 
+class FirstBlockView:
+    """What the view learns while the step runs in it: the form block 0 returns its activation in, which the
+    blocks after it return too (:mod:`.block_output`)."""
+
+    def __init__(self) -> None:
+        self.output_form = OutputForm()
+
+    def learn(self, _module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.output_form = OutputForm.of(output, args, kwargs) or OutputForm()
+
+    def pass_on(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output_form.passed_on(args, kwargs)
+
+
 @contextmanager
-def first_block_view(root: nn.Module, blocks: BlockList, device: torch.device, seed: int = 0) -> Iterator[None]:
-    """Inside: block 0 and the modules outside the block list real on ``device``, blocks 1.. pass through."""
+def first_block_view(
+    root: nn.Module, blocks: BlockList, device: torch.device, seed: int = 0
+) -> Iterator[FirstBlockView]:
+    """Inside: block 0 and the modules outside the block list real on ``device``, blocks 1.. pass through
+    (in the form block 0 returned, learnt at each of its calls)."""
     ids = _view_tensor_ids(root, blocks)
     swaps = materialize(root, device, seed, wanted=lambda name, tensor: id(tensor) in ids, strict=False)
     swaps += move_to_device(root, device, ids)
+    view = FirstBlockView()
+    handle = blocks.blocks[0].register_forward_hook(view.learn, with_kwargs=True)
     patched = [block for block in blocks.blocks[1:] if "forward" not in block.__dict__]
     for block in patched:
-        block.forward = _passthrough
+        block.forward = view.pass_on
     try:
-        yield
+        yield view
     finally:
+        handle.remove()
         for block in patched:
             del block.forward
         undo(swaps)

@@ -88,15 +88,16 @@ def model_signature(blocks: Sequence[Any]) -> str:
 
 
 def _first_tensor(output: Any, name: str, module: Any) -> torch.Tensor:
-    import torch
+    from zorse_lightning.module.block_output import activation_of
 
-    if not isinstance(output, torch.Tensor):
+    activation = activation_of(output)
+    if activation is None:
         raise PlanningError(
             f"cannot profile {name} ({type(module).__name__}): it returned {type(output).__name__}, "
-            f"not a tensor; wrap it in a module "
+            f"neither a tensor nor a tuple or list that starts with one; wrap it in a module "
             f"that returns the activation tensor passed to the next block"
         )
-    return output
+    return activation
 
 
 Call = tuple[tuple, dict]

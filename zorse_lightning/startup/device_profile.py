@@ -201,7 +201,7 @@ def measure_on_device(
         return run
 
     one_sample = first_samples(1)
-    with first_block_view(inputs.module, blocks, device, inputs.init_seed):
+    with first_block_view(inputs.module, blocks, device, inputs.init_seed) as view:
         if inputs.emulation is not None:
             meter = inputs.emulation.meter
             if not meter.is_tracking:  # a module built on the host: the device holds what the view made real
@@ -210,7 +210,7 @@ def measure_on_device(
         calls, refused = block_calls(blocks, first_samples, sizes_to_profile(inputs.options, samples))
         example = calls[min(calls)][0][0]
         computed, weights = training_dtypes(inputs.forward_context, blocks.blocks[0], device)
-        overhead_ms = measure_action_overhead_ms(run_step, blocks, batch, device, PROFILE_TIMING)
+        overhead_ms = measure_action_overhead_ms(run_step, blocks, batch, device, PROFILE_TIMING, view.output_form)
         costs = None
         if inputs.emulation is not None:
             calibrated = calibrate(view_modules(inputs.module, blocks), one_sample, batch_samples=1)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zorse_lightning.module.block_output import OutputForm, activation_of
 from zorse_lightning.module.blocks import BlockList
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.profiling.measure import out_of_memory_errors
@@ -110,8 +111,9 @@ class _Phase:
     def _leaving(self, _module: Any, _args: tuple, output: Any) -> None:
         self.marks.mark()
         self.part = 2
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._mark_backward)
+        activation = activation_of(output)
+        if activation is not None and activation.requires_grad:
+            activation.register_hook(self._mark_backward)
         if self.first_input is not None:
             self.first_input.register_hook(self._mark_backward)
 
@@ -280,10 +282,11 @@ def _step_temporaries(optimizer: torch.optim.Optimizer, weights: Sequence[torch.
 
 def measure_action_overhead_ms(
     step: Callable[[Any], Any], blocks: BlockList, batch: Any, device: torch.device,
-    timing: TimingOptions = TimingOptions(),
+    timing: TimingOptions = TimingOptions(), form: OutputForm = OutputForm(),
 ) -> float:
     """The engine's own time per action: the user's step on one sample with every block passing its input
-    on, without gradients, as the host spends it (no device synchronisation at its end).
+    on (in ``form``, the blocks' own), without gradients, as the host spends it (no device synchronisation
+    at its end).
 
     An action of the engine calls the user's step for one microbatch of one
     stage, whose blocks outside the stage pass their input on; on a GPU what
@@ -295,7 +298,7 @@ def measure_action_overhead_ms(
     """
     patched = [b for b in blocks.blocks if "forward" not in b.__dict__]
     for block in patched:
-        block.forward = _passing_on
+        block.forward = form.passing_forward()
     micro = microbatch_slice(batch, 0, 1)
 
     def one() -> None:
@@ -308,6 +311,3 @@ def measure_action_overhead_ms(
         for block in patched:
             del block.forward
 
-
-def _passing_on(*args: Any, **kwargs: Any) -> Any:
-    return args[0]
