@@ -64,10 +64,17 @@ def _held(obj: Any, seen: set[int]) -> list[Any]:
     return [t for item in items for t in _held(item, seen)]
 
 
+def _is_state_module(value: Any) -> bool:
+    """A module without parameters passed to a call: state, such as a key/value cache (transformers 4's
+    ``Cache`` classes are modules), not one of the model's layers."""
+    return isinstance(value, nn.Module) and next(value.parameters(), None) is None
+
+
 def _fresh_object(obj: Any) -> Any:
     """A deep copy of a state object whose tensors are detached copies (a tensor inside a graph cannot be
     deep-copied as it is) and whose modules are the same; the object itself where it cannot be copied."""
-    memo = {id(x): x if isinstance(x, nn.Module) else x.detach().clone() for x in _held(obj, set())}
+    inside = _held(vars(obj), {id(obj)}) if isinstance(obj, nn.Module) else _held(obj, set())
+    memo = {id(x): x if isinstance(x, nn.Module) else x.detach().clone() for x in inside}
     try:
         return copy.deepcopy(obj, memo)
     except (TypeError, RuntimeError, copy.Error):
@@ -79,6 +86,8 @@ def fresh_side_state(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
     afresh (see the module's docstring); tensors are the same objects, containers rebuilt."""
 
     def fresh(value: Any) -> Any:
+        if _is_state_module(value):
+            return _fresh_object(value)
         if isinstance(value, (torch.Tensor, *_PLAIN)) or callable(value):
             return value
         return _fresh_object(value)
