@@ -3,7 +3,7 @@
     python -m bench.one_gpu                                # on one GPU: 6 cases (goal: under 6 minutes on an H100)
     python -m bench.one_gpu --model gpt_86m --precision bf16-mixed --steps 20
     python -m bench.one_gpu --case llama_168m/32-true
-    .venv/bin/python -m bench.one_gpu --tiny               # the same code on this CPU, small sizes (about 1-2 min)
+    .venv/bin/python -m bench.one_gpu --tiny               # the same code on this CPU, small sizes, 5 rounds (about 2 min)
     tools/gpu_run.sh                                       # on the GPU machine: versions, nvidia-smi, then this
 
 Cases: the project's GPT (``zorse_lightning.models.gpt``, byte vocabulary 256)
