@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from zorse_lightning.module.block_output import activation_of
 from zorse_lightning.module.blocks import BlockList, StageOutput
 from zorse_lightning.module.cut_analysis import CutAnalysis
 from zorse_lightning.module.materialize import replace_parameters
@@ -265,7 +266,7 @@ class StageCut:
                 )
             output = compute(*args, **kwargs)
             if self.ends_at(index):
-                raise StageOutput(self.analysis.output_form.activation(output))
+                raise StageOutput(activation_of(output))
             return output
 
         return forward

@@ -55,10 +55,6 @@ class OutputForm:
             return cls()
         return cls("list" if isinstance(output, list) else "tuple", tuple(_given(item, args, kwargs) for item in output[1:]))
 
-    def activation(self, output: Any) -> torch.Tensor:
-        """The activation in ``output``, a block's output of this form."""
-        return output if not self.container else output[0]
-
     def passed_on(self, args: tuple, kwargs: dict) -> Any:
         """What a block of this form returns when it passes its input (``args[0]``) on."""
         if not self.container:

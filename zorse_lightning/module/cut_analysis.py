@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zorse_lightning.module.block_output import OutputForm
+from zorse_lightning.module.block_output import OutputForm, activation_of
 from zorse_lightning.module.blocks import BlockList
 
 
@@ -130,7 +130,7 @@ def probe_cut(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any]) -
         )
     if len(set(forms)) > 1:
         return analysis(f"the blocks of {blocks.path} return their activation in different forms: {sorted(set(map(str, forms)))}")
-    outputs = [form.activation(output) for form, (*_, output) in zip(forms, rec.block_calls)]
+    outputs = [activation_of(output) for *_, output in rec.block_calls]
     for index, args, kwargs, _ in rec.block_calls[1:]:
         if not args or args[0] is not outputs[index - 1]:
             return analysis(
