@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from zorse_lightning.errors import ZorseUserError
+from zorse_lightning.strategy.accelerator import cuda_index_for
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment, Launcher, slurm_tasks_on_node
 from testing.launch import free_port
 
@@ -49,8 +50,10 @@ def test_torchrun_ranks_are_taken_as_given_and_lightning_arithmetic_is_ignored()
     assert (env.main_address, env.main_port) == ("10.0.0.1", 29500)
     assert env.ranks.launcher is Launcher.TORCHRUN
     env.validate_settings(num_devices=2, num_nodes=2)  # 2 x 2 != 3, which Lightning's own check refuses
-    with pytest.raises(ZorseUserError, match="devices=2"):
-        env.validate_settings(num_devices=1, num_nodes=2)
+    env.validate_settings(num_devices=1, num_nodes=2)  # each process sees its own GPU only
+    four = HeterogeneousEnvironment({**TORCHRUN_NODE1, "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(ZorseUserError, match=r"devices=2\) but torchrun started 4 processes .* devices=4"):
+        four.validate_settings(num_devices=2, num_nodes=2)
 
 
 def test_slurm_ranks_with_uneven_tasks_per_node() -> None:
@@ -60,6 +63,21 @@ def test_slurm_ranks_with_uneven_tasks_per_node() -> None:
     assert (env.main_address, env.main_port) == ("node-a", 15000 + 3456)
     assert [slurm_tasks_on_node("2(x2),1", n) for n in range(3)] == [2, 2, 1]
     assert [slurm_tasks_on_node("3,1(x2)", n) for n in range(3)] == [3, 1, 1]
+
+
+def test_slurm_with_one_gpu_per_task_is_accepted() -> None:
+    """``srun --ntasks-per-node=4 --gpus-per-task=1``: each process sees one GPU, so ``devices='auto'`` is 1
+    on a machine of 4 processes; the process uses the GPU it sees."""
+    env = HeterogeneousEnvironment({
+        **SLURM_NODE2, "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_PER_TASK": "1",
+    })
+    assert (env.global_rank(), env.local_rank(), env.local_world_size()) == (5, 1, 4)
+    env.validate_settings(num_devices=1, num_nodes=2)
+    assert cuda_index_for(env.local_rank(), visible_devices=1) == 0
+    env.validate_settings(num_devices=4, num_nodes=2)  # each sees all four: cuda:LOCAL_RANK
+    with pytest.raises(ZorseUserError, match=r"devices=3\) but slurm started 4 processes"):
+        env.validate_settings(num_devices=3, num_nodes=2)
 
 
 @pytest.mark.multiprocess
@@ -74,7 +92,8 @@ _WORKER = textwrap.dedent(
     """
     import json, os, sys
     import torch, torch.distributed as dist
-    from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+    from zorse_lightning.strategy.accelerator import cuda_index_for
+from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 
     env = HeterogeneousEnvironment()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)

@@ -186,10 +186,15 @@ class HeterogeneousEnvironment(ClusterEnvironment):
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        """Only this machine's count can be checked: ``devices`` must cover the local ranks."""
-        if num_devices < self._ranks.local_world_size:
+        """Only this machine's count can be checked: ``devices`` must cover the local ranks, or be one, the
+        process's own device. One is what ``devices='auto'`` gives where each process sees only its GPU
+        (``srun --gpus-per-task=1``, or ``CUDA_VISIBLE_DEVICES`` set per process), and the strategy's root
+        device is then the one it sees (:func:`~zorse_lightning.strategy.accelerator.cuda_index_for`)."""
+        if 1 < num_devices < self._ranks.local_world_size:
             raise ZorseUserError(
                 f"Trainer(devices={num_devices}) but {self._ranks.launcher.value} started "
-                f"{self._ranks.local_world_size} processes on this machine (node {self._ranks.node_rank}); "
-                f"pass devices={self._ranks.local_world_size} or devices='auto' on each machine"
+                f"{self._ranks.local_world_size} processes on this machine (node {self._ranks.node_rank}): a "
+                f"process either sees every GPU of its machine or only its own; pass "
+                f"devices={self._ranks.local_world_size} (or 'auto') where each sees all, devices=1 (or 'auto') "
+                f"where each sees its own (srun --gpus-per-task=1)"
             )
