@@ -57,12 +57,6 @@ def _holds_loss(output: Any) -> bool:
     return isinstance(loss, torch.Tensor) and loss.dim() == 0
 
 
-def host_group() -> Any:
-    """A group for host tensors over all ranks: the default one where it is gloo, else a new gloo group
-    (NCCL carries only device tensors). Collective: every rank calls it."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-
-
 BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
 """Bytes per collective when the eager module is broadcast (DDP's figure for its start-up broadcast)."""
 

@@ -51,7 +51,8 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
-from zorse_lightning.engine.executor import PipelineEngine, broadcast_module, host_group
+from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.host_group import host_group
 from zorse_lightning.engine.faults import FaultPolicy, start_watchdog
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
 from zorse_lightning.module.blocks import CutError, find_block_list
@@ -328,7 +329,7 @@ class ZorseStrategy(ParallelStrategy):
             trainer.callbacks.insert(0, SurvivorSnapshots(self._snapshot_for_recovery, self._state.keeper, self._recovery))
         if self._state.engine is None:
             if self.world_size > 1:
-                self._state.host_group = host_group()
+                self._state.host_group = host_group(self._timeout, self.cluster_environment.main_address)
             if self.world_size > 1 and not has_meta_tensors(self.lightning_module):  # meta: values per stage
                 broadcast_module(self.lightning_module, self._state.host_group)
             if self._plan_source is not None:
