@@ -17,12 +17,14 @@ from zorse_lightning.startup.link_probe import (
     MAX_PROBE_BYTES,
     MIN_PROBE_BYTES,
     MachineAllReduce,
+    MachinePairProbe,
     effective_bandwidth_gbps,
+    pair_rounds,
     probe_bytes,
     probe_machines,
     with_measured_rates,
 )
-from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, ring_all_reduce_ms
+from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, LinkTable, ring_all_reduce_ms
 from testing.launch import spawn_ranks
 
 CLUSTER = {
@@ -98,27 +100,102 @@ def test_probe_size_is_the_gradient_bytes_within_bounds() -> None:
     assert MAX_PROBE_BYTES >= MIN_PROBE_BYTES
 
 
-def _probe_worker(rank: int, out_dir: Path) -> list[dict]:
+RING_OF_THREE = {
+    "name": "ring3",
+    "machines": [
+        {"name": "m0", "intra_bandwidth_gbps": 1000, "gpus": [{"type": "a100x40", "count": 3}]},
+        {"name": "m1", "intra_bandwidth_gbps": 10, "gpus": [{"type": "t4", "count": 1}]},
+    ],
+}
+
+
+def _probe_worker(rank: int, out_dir: Path) -> dict:
+    """The probe on 4 ranks, every batch it posts recorded; a blocking send or receive (what the ring did
+    before, and what hangs under NCCL with three ranks or more) raises."""
     dist.init_process_group("gloo")
+    batches: list[list[tuple[str, int]]] = []
+    real_batch = dist.batch_isend_irecv
+
+    def recorded(ops: list) -> list:
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return real_batch(ops)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the probe posted a lone blocking send or receive")
+
+    dist.batch_isend_irecv, dist.recv, dist.send = recorded, refused, refused
     try:
-        probes = probe_machines(load_cluster(CLUSTER), rank, torch.device("cpu"), MIN_PROBE_BYTES)
+        probes = probe_machines(load_cluster(RING_OF_THREE), rank, torch.device("cpu"), MIN_PROBE_BYTES)
         dist.barrier()  # the default group still works after the machine groups are gone
-        return [
-            {"machine": p.machine, "ranks": p.num_ranks, "ms": p.measured_ms, "gbps": p.effective_gbps,
-             "configured": p.configured_gbps, "message_us": p.message_us, "latency_us": p.configured_latency_us}
-            for p in probes
-        ]
+        return {
+            "inside": [
+                {"machine": p.machine, "ranks": p.num_ranks, "ms": p.measured_ms, "gbps": p.effective_gbps,
+                 "configured": p.configured_gbps, "message_us": p.message_us, "latency_us": p.configured_latency_us,
+                 "header_us": p.header_us}
+                for p in probes if isinstance(p, MachineAllReduce)
+            ],
+            "between": [
+                {"pair": [p.machine_a, p.machine_b], "ms": p.transfer_ms, "message_us": p.message_us,
+                 "header_us": p.header_us, "bytes": p.num_bytes}
+                for p in probes if isinstance(p, MachinePairProbe)
+            ],
+            "peers": sorted({tuple(sorted(b)) for b in batches}),
+        }
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_each_machine_with_several_ranks_is_probed_and_every_rank_agrees(tmp_path: Path) -> None:
-    results = spawn_ranks(_probe_worker, 3, tmp_path)
-    assert results[0] == results[1] == results[2]  # gathered: the same list on every rank
-    (probe,) = results[0]  # m1 has one rank: nothing to all-reduce
-    assert probe["machine"] == "m0" and probe["ranks"] == 2 and probe["configured"] == 1000
-    assert probe["ms"] > 0
-    assert probe["message_us"] > 0 and probe["latency_us"] == load_cluster(CLUSTER).latency_us(0, 1)
+def test_each_machine_and_pair_of_machines_is_probed_in_batches_and_every_rank_agrees(tmp_path: Path) -> None:
+    """m0's three ranks pass their ring (rank 0 -> 1 -> 2 -> 0), each pass one batch of a send to the next
+    and a receive from the previous; m0's and m1's first ranks (0 and 3) exchange over the default group."""
+    results = spawn_ranks(_probe_worker, 4, tmp_path)
+    assert all(r["inside"] == results[0]["inside"] and r["between"] == results[0]["between"] for r in results)
+    (probe,) = results[0]["inside"]  # m1 has one rank: nothing to all-reduce
+    assert probe["machine"] == "m0" and probe["ranks"] == 3 and probe["configured"] == 1000
+    assert probe["ms"] > 0 and probe["message_us"] > 0 and probe["header_us"] >= 0
+    assert probe["latency_us"] == load_cluster(RING_OF_THREE).latency_us(0, 1)
     latency_us = max(probe["message_us"], probe["latency_us"])
-    assert probe["gbps"] == pytest.approx(effective_bandwidth_gbps(MIN_PROBE_BYTES, 2, probe["ms"], latency_us))
+    assert probe["gbps"] == pytest.approx(effective_bandwidth_gbps(MIN_PROBE_BYTES, 3, probe["ms"], latency_us))
+    (pair,) = results[0]["between"]
+    assert pair["pair"] == ["m0", "m1"] and pair["ms"] > 0 and pair["message_us"] > 0
+    assert pair["bytes"] == MIN_PROBE_BYTES
+    ring = {0: (1, 2), 1: (2, 0), 2: (0, 1)}  # rank: (next, previous)
+    for rank in (0, 1, 2):
+        send_to, receive_from = ring[rank]
+        assert [["irecv", receive_from], ["isend", send_to]] in results[rank]["peers"]
+    assert [["irecv", 3], ["isend", 3]] in results[0]["peers"] and results[3]["peers"] == [[["irecv", 0], ["isend", 0]]]
+    assert results[1]["peers"] == [[["irecv", 0], ["isend", 2]]]  # no rank but the first of each machine pairs up
+
+
+def test_pair_rounds_meet_every_pair_once_and_no_machine_twice_a_round() -> None:
+    for machines in range(1, 10):
+        rounds = pair_rounds(machines)
+        pairs = [p for r in rounds for p in r]
+        assert sorted(pairs) == [(a, b) for a in range(machines) for b in range(a + 1, machines)]
+        assert all(len({m for p in r for m in p}) == 2 * len(r) for r in rounds)
+        assert len(rounds) == (0 if machines == 1 else machines - 1 + machines % 2)
+
+
+def test_a_slow_link_between_machines_lowers_the_inventory_and_the_header_is_priced_per_message() -> None:
+    """A 4 MB transfer measured at 40 ms between m0 and m1 (configured: 100 Gb/s, 20 us) is a link of about
+    0.85 Gbit/s; its 300 us message raises the latency; the planner then prices a message between them at the
+    measured figures plus the host header's measured 150 us (collectives pay no header)."""
+    inventory = load_cluster(TWO_MACHINES)
+    configured_us = inventory.latency_us(0, 2)
+    slow = MachinePairProbe("m0", "m1", 4_000_000, transfer_ms=40.0, message_us=300.0, header_us=150.0,
+                            configured_gbps=inventory.bandwidth_gbps(0, 2), configured_latency_us=configured_us)
+    assert slow.effective_gbps == pytest.approx(4e6 * 8 / 1e9 / (40e-3 - 300e-6) / LINK_EFFICIENCY)
+    inside = MachineAllReduce("m0", 2, 4_000_000, 10.0, 1000.0, 5000.0, 2.0, 5.0, header_us=40.0)
+    lowered = with_measured_rates(inventory, [inside, slow])
+    assert lowered.bandwidth_gbps(0, 2) == pytest.approx(slow.effective_gbps) and lowered.latency_us(1, 3) == 300.0
+    assert lowered.bandwidth_gbps(0, 1) == inventory.bandwidth_gbps(0, 1)  # inside m0: on time, as configured
+    assert (lowered.latencies.header_intra_machine_us, lowered.latencies.header_inter_machine_us) == (40.0, 150.0)
+    links = LinkTable(lowered)
+    assert links.link(0, 2)[1:] == pytest.approx((slow.effective_gbps * LINK_EFFICIENCY, 300.0 + 150.0))
+    assert links.link(0, 1)[2] == pytest.approx(lowered.latency_us(0, 1) + 40.0)
+    assert links.ring((0, 2))[1] == 300.0  # a collective sends no header
+    later, slower = slow.notes()
+    assert "0.30 ms at start, above the 20 us configured" in later and "as at 0.848 Gbit/s" in slower
+    fast = replace(slow, transfer_ms=0.2, message_us=configured_us / 2, header_us=0.0)
+    assert with_measured_rates(inventory, [fast]) is inventory and fast.notes() == []

@@ -12,7 +12,7 @@ import pytest
 from testing.plans import hand_plan
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.cluster.detection import DeviceReport, check_detected_devices
+from zorse_lightning.cluster.detection import DeviceReport, match_machines
 from zorse_lightning.errors import InventoryError, PlanningError
 from zorse_lightning.planner.plan_check import check_plan, resolve_plan
 from zorse_lightning.strategy.zorse_strategy import model_blocks
@@ -79,16 +79,14 @@ def test_plan_made_for_another_model():
 
 
 def test_inventory_disagrees_with_detected_devices():
-    inventory = load_cluster("cpu_sim4")  # a100x40, v100x16, t4, t4
-    right = [DeviceReport("NVIDIA A100-SXM4-40GB", 40 * GIB), DeviceReport("Tesla V100-SXM2-16GB", 16 * GIB),
-             DeviceReport("Tesla T4", 16 * GIB), DeviceReport("Tesla T4", 16 * GIB)]
-    check_detected_devices(inventory, right)
-    check_detected_devices(inventory, [None] * 4)  # CPU ranks emulate their types: nothing to compare
-    wrong = [*right[:2], DeviceReport("NVIDIA L4", 24 * GIB), right[3]]
-    with pytest.raises(InventoryError, match=r"disagrees with the detected devices: rank 2 \(machine 'localhost', "
-                                             r"GPU 2\) is listed as t4 but is a 'NVIDIA L4' \(l4\)\. Fix the cluster "
-                                             r"config .*or omit cluster="):
-        check_detected_devices(inventory, wrong)
+    inventory = load_cluster("a100x4_v100x4")
+    right = [("h0", DeviceReport("NVIDIA A100-SXM4-40GB", 40 * GIB))] * 4 + [("h1", DeviceReport("Tesla V100-SXM2-32GB", 32 * GIB))] * 4
+    assert match_machines(inventory, right) == inventory
+    wrong = [*right[:6], ("h1", DeviceReport("NVIDIA L4", 24 * GIB)), right[7]]
+    with pytest.raises(InventoryError, match=r"host 'h1' runs 4 processes on GPUs \['v100x32', 'v100x32', 'l4', "
+                                             r"'v100x32'\], and no machine of cluster 'a100x4_v100x4' left unmatched"
+                                             r".*or omit cluster=\.\.\. to use the detected devices"):
+        match_machines(inventory, wrong)
 
 
 def test_emulation_slowdown_below_one():

@@ -5,8 +5,8 @@ layer that needs a device's name or memory asks it); each rank reports its own
 device with its hostname, a launcher or the start-up gathers the reports in rank
 order, :func:`machine_reports` groups them into machines (any number of GPUs
 each) and :func:`inventory_from_reports` turns them into one inventory.
-:func:`check_detected_devices` compares the reports with an inventory the user
-gave. Only :func:`local_device_report` touches torch, and only when called, so
+:func:`match_machines` places the machines of an inventory the user gave on the
+hosts the launcher ordered. Only :func:`local_device_report` touches torch, and only when called, so
 the cluster layer stays importable without it.
 """
 
@@ -141,23 +141,83 @@ def inventory_from_reports(
     return ClusterInventory(name=name, machines=tuple(machines), inter_machine_bandwidth_gbps=inter_machine_bandwidth_gbps)
 
 
-def check_detected_devices(inventory: ClusterInventory, reports: Sequence[DeviceReport | None]) -> None:
-    """Each rank's detected GPU must be of the type the inventory lists at that rank (all mismatches named).
+def match_machines(inventory: ClusterInventory, per_rank: Sequence[tuple[str, DeviceReport | None]]) -> ClusterInventory:
+    """The inventory with its machines in the order the launcher gave their ranks, each matched to a host by
+    its GPUs (types in local order, so count too); an inventory machine named as a host goes to that host.
 
-    ``reports`` holds one :func:`local_device_report` per global rank; None (a
-    CPU rank emulating its type) has nothing to compare.
+    Why: the rendezvous, not the inventory, decides which machine's processes get ranks 0, 1, ...; torchrun's
+    ``--rdzv-backend=c10d`` ignores ``--node-rank`` and orders machines by host. Where two machines have the
+    same GPUs and are not named after their hosts, they take the hosts in inventory order; if they differ in
+    anything else (datacenter, links, budgets) that choice would matter, and the user is asked to name them.
+    ``per_rank``: each global rank's (host, :func:`local_device_report`); a None (a CPU rank emulating its
+    listed type) has nothing to match, and the inventory stays as given.
     """
-    wrong = []
-    for rank, report in enumerate(reports):
-        if report is None:
+    if any(report is None for _, report in per_rank):
+        return inventory
+    hosts = machine_reports([(host, report) for host, report in per_rank if report is not None])
+    detected = [tuple(match_device(d).name for d in h.devices) for h in hosts]
+    by_name = {m.name: m for m in inventory.machines}
+    placed: dict[int, Machine] = {}
+    for index, host in enumerate(hosts):
+        machine = by_name.get(host.hostname) or by_name.get(host.hostname.split(".")[0])
+        if machine is None:
             continue
-        detected = match_device(report).name
-        listed = inventory.gpus[rank]
-        if detected != listed.gpu_type.name:
-            wrong.append(f"rank {rank} (machine {listed.machine!r}, GPU {listed.local_index}) is listed as "
-                         f"{listed.gpu_type.name} but is a {report.name!r} ({detected})")
-    if wrong:
+        if tuple(t.name for t in machine.gpu_types) != detected[index]:
+            raise InventoryError(
+                f"machine {machine.name!r} of cluster {inventory.name!r} is listed with GPUs "
+                f"{[t.name for t in machine.gpu_types]}, but host {host.hostname!r} has {list(detected[index])}: "
+                f"a machine named after a host must list that host's GPUs in local order; fix the cluster config, "
+                f"or omit cluster=... to use the detected devices"
+            )
+        placed[index] = machine
+    free = [m for m in inventory.machines if m not in placed.values()]
+    for index, host in enumerate(hosts):
+        if index in placed:
+            continue
+        alike = [m for m in free if tuple(t.name for t in m.gpu_types) == detected[index]]
+        if not alike:
+            raise InventoryError(_unmatched(inventory, hosts, detected, index, free))
+        _check_interchangeable(alike, inventory, host.hostname)
+        placed[index] = alike[0]
+        free.remove(alike[0])
+    if free:
         raise InventoryError(
-            f"cluster {inventory.name!r} disagrees with the detected devices: {'; '.join(wrong)}. Fix the cluster "
-            f"config (types in rank order, per machine), or omit cluster=... to use the detected devices"
+            f"cluster {inventory.name!r} lists machines {[m.name for m in free]} that no launched host matches "
+            f"(hosts: {_described(hosts, detected)}); launch processes on them too, or remove them from the config"
+        )
+    return dataclasses.replace(inventory, machines=tuple(placed[i] for i in range(len(hosts))))
+
+
+def _described(hosts: Sequence[MachineReport], detected: Sequence[tuple[str, ...]]) -> str:
+    return "; ".join(f"{h.hostname}: {len(types)} x {'/'.join(sorted(set(types)))}" for h, types in zip(hosts, detected))
+
+
+def _unmatched(
+    inventory: ClusterInventory, hosts: Sequence[MachineReport], detected: Sequence[tuple[str, ...]], index: int,
+    free: Sequence[Machine],
+) -> str:
+    return (
+        f"host {hosts[index].hostname!r} runs {len(detected[index])} processes on GPUs {list(detected[index])}, "
+        f"and no machine of cluster {inventory.name!r} left unmatched lists those GPUs in that order (unmatched: "
+        f"{', '.join(f'{m.name}: {[t.name for t in m.gpu_types]}' for m in free) or 'none'}; hosts: "
+        f"{_described(hosts, detected)}). Each host's processes must match one machine's GPUs, one process per "
+        f"GPU; fix the cluster config or the processes launched per host (--nproc-per-node), or omit cluster=... "
+        f"to use the detected devices"
+    )
+
+
+def _check_interchangeable(alike: Sequence[Machine], inventory: ClusterInventory, hostname: str) -> None:
+    """Machines with the same GPUs may take any host only where nothing else tells them apart."""
+    def seen_as(machine: Machine) -> tuple:
+        links = sorted((l.bandwidth_gbps, l.latency_us) for l in inventory.machine_links
+                       if machine.name in (l.machine_a, l.machine_b))
+        return (machine.datacenter, machine.intra_bandwidth_gbps, machine.intra_latency_us,
+                machine.memory_budget_gib, tuple(links))
+
+    differing = [m.name for m in alike if seen_as(m) != seen_as(alike[0])]
+    if differing:
+        raise InventoryError(
+            f"host {hostname!r} matches machines {[m.name for m in alike]} of cluster {inventory.name!r}, which "
+            f"have the same GPUs but differ in datacenter, links or budgets; the launcher's rank order does not "
+            f"say which host is which: name each of them after its host (`name: {hostname}`)"
         )

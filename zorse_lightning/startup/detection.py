@@ -1,10 +1,12 @@
-"""The cluster from the devices the ranks hold, when the user names none.
+"""The cluster from the devices the ranks hold: detected when the user names none, placed on the hosts
+when the user gives one.
 
 Every rank reports its own device with its hostname; the reports are gathered
-in rank order, so machines may differ in GPU count and type. What a report holds
-and how reports become an inventory (machine by machine, a machine's ranks
-contiguous) is the cluster layer's, :mod:`zorse_lightning.cluster.detection`;
-here is only the gathering, which needs the process group.
+in rank order, so machines may differ in GPU count and type. What a report holds,
+how reports become an inventory (machine by machine, a machine's ranks
+contiguous) and how a given inventory's machines are matched to the hosts is the
+cluster layer's, :mod:`zorse_lightning.cluster.detection`; here is only the
+gathering, which needs the process group.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import socket
 import torch
 import torch.distributed as dist
 
-from zorse_lightning.cluster.detection import DeviceReport, inventory_from_reports, local_device_report, machine_reports
+from zorse_lightning.cluster.detection import (
+    DeviceReport,
+    inventory_from_reports,
+    local_device_report,
+    machine_reports,
+    match_machines,
+)
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import InventoryError
 
@@ -27,6 +35,19 @@ def detect_cluster(device: torch.device, world_size: int) -> ClusterInventory:
             "ZorseStrategy was given no cluster and this rank has no GPU to detect; pass "
             "cluster=... (for CPU ranks emulating GPU types: cluster='cpu_sim4' or 'cpu_sim2')"
         )
-    gathered: list[tuple[str, DeviceReport] | None] = [None] * world_size
+    return inventory_from_reports(machine_reports(_gathered_reports(report, world_size)))
+
+
+def placed_inventory(inventory: ClusterInventory, device: torch.device, world_size: int) -> ClusterInventory:
+    """``inventory`` with its machines in the launcher's rank order, matched to the hosts by their GPUs
+    (:func:`~zorse_lightning.cluster.detection.match_machines`). Collective: every rank calls it once the
+    default process group exists; the same inventory on every rank."""
+    if inventory.emulated:  # CPU ranks emulate what the inventory lists where it lists it
+        return inventory
+    return match_machines(inventory, _gathered_reports(local_device_report(device), world_size))
+
+
+def _gathered_reports(report: DeviceReport | None, world_size: int) -> list[tuple[str, DeviceReport | None]]:
+    gathered: list[tuple[str, DeviceReport | None]] = [("", None)] * world_size
     dist.all_gather_object(gathered, (socket.gethostname(), report))
-    return inventory_from_reports(machine_reports(gathered))
+    return gathered

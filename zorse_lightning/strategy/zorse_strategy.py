@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.cluster.detection import check_detected_devices, local_device_report
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
@@ -61,7 +60,7 @@ from zorse_lightning.module.stage_weights import WeightSource
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_schedule, resolve_plan, with_schedule
-from zorse_lightning.startup.detection import detect_cluster
+from zorse_lightning.startup.detection import detect_cluster, placed_inventory
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
 from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
@@ -339,7 +338,7 @@ class ZorseStrategy(ParallelStrategy):
 
     def _set_precision(self) -> None:
         if self.inventory is not None:
-            check_detected_devices(self.inventory, shards.all_gather(local_device_report(self.root_device)))
+            self._state.inventory = placed_inventory(self.inventory, self.root_device, self.world_size)
             gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
         else:
             gathered: list[Any] = [None] * self.world_size

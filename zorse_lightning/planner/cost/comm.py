@@ -232,6 +232,19 @@ class LinkTable:
         object.__setattr__(self, "_backend", CollectiveBackend.of(self.inventory))
 
     def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
+        """(key of the shared link, effective bandwidth_gbps, latency_us) of a point-to-point message between
+        two ranks: the link's latency plus the engine's host header before it (the inventory's
+        ``latencies.header_*_us``, measured at start; gradients pay it too here, which they do not: one
+        small header's time per gradient over). Collectives send no header (:meth:`_link`)."""
+        key, bandwidth_gbps, latency_us = self._link(rank_a, rank_b)
+        if rank_a == rank_b:
+            return key, bandwidth_gbps, latency_us
+        latencies = self.inventory.latencies
+        same_machine = self._machines[rank_a] == self._machines[rank_b]
+        header_us = latencies.header_intra_machine_us if same_machine else latencies.header_inter_machine_us
+        return key, bandwidth_gbps, latency_us + header_us
+
+    def _link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
         """(key of the shared link, effective bandwidth_gbps, latency_us) between two ranks."""
         ma, mb = self._machines[rank_a], self._machines[rank_b]
         if ma == mb:
@@ -273,7 +286,7 @@ class LinkTable:
             return float("inf"), 0.0
         key = ("ring", ranks)
         if key not in self._cache:
-            links = [self.link(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
+            links = [self._link(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
             self._cache[key] = (min(l[1] for l in links), max(l[2] for l in links))
         return self._cache[key]
 
@@ -305,7 +318,7 @@ class LinkTable:
                 rate_gbps: dict[LinkKey, float] = {}
                 phase_latency_us = 0.0
                 for flow in phase.flows:
-                    link_key, gbps, us = self.link(flow.source_rank, flow.destination_rank)
+                    link_key, gbps, us = self._link(flow.source_rank, flow.destination_rank)
                     load[link_key] += flow.num_bytes
                     rate_gbps[link_key] = gbps
                     phase_latency_us = max(phase_latency_us, us)
