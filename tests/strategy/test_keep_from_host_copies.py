@@ -153,12 +153,34 @@ def test_a_snapshot_cut_short_leaves_the_previous_step_whole(tmp_path, monkeypat
     _step(module, optimizer)
 
     monkeypatch.setattr(CopyDone, "query", lambda self: False)  # the copies never complete
+    monkeypatch.setattr(fast_recovery, "KEEP_WAITS_FOR_COPY_S", 0.05)
     assert keeper.snapshot(3, {"global_step": 3}, module, [optimizer]) is True  # queued, not yet counted
-    _step(module, optimizer)
-    assert keeper.snapshot(4, {"global_step": 4}, module, [optimizer]) is False  # step 3's copy still runs
     assert keeper.newest_step == 2
 
     kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))
+    assert kept["step"] == 2
+    _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
+    assert keeper.snapshot(4, {"global_step": 4}, module, [optimizer]) is False  # keeping began: none more
+
+
+def test_a_snapshot_due_while_the_previous_copy_runs_waits_for_it(tmp_path, monkeypatch):
+    """Would catch a rank skipping a snapshot while its previous copy runs (issue 29): ranks would then keep
+    different steps, and after a loss the survivors might share none."""
+    module, optimizer = _trained()
+    keeper = SurvivorKeeper(host_copies=True)
+    waited: list[int] = []
+    monkeypatch.setattr(CopyDone, "query", lambda self: False)  # each copy is still running when asked
+    monkeypatch.setattr(CopyDone, "wait", lambda self: waited.append(1))
+    monkeypatch.setattr(fast_recovery, "KEEP_WAITS_FOR_COPY_S", 0.05)
+    assert keeper.snapshot(1, {"global_step": 1}, module, [optimizer]) is True
+    _step(module, optimizer)
+    expected = _held_now(module, optimizer)
+    assert keeper.snapshot(2, {"global_step": 2}, module, [optimizer]) is True  # waited for step 1's copy
+    assert waited == [1] and keeper.newest_step == 1
+    _step(module, optimizer)
+    assert keeper.snapshot(3, {"global_step": 3}, module, [optimizer]) is True
+    assert waited == [1, 1] and keeper.newest_step == 2
+    kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))  # step 3's copy never completes: step 2 kept
     assert kept["step"] == 2
     _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
 

@@ -36,7 +36,12 @@ class _Keeper:
         self.newest_step: int | None = None
 
 
-def _run(policy: RecoveryPolicy, steps: int, step_ms: float, take_ms: float, copy_ms: float, monkeypatch):
+def _alone(value):
+    return [value]
+
+
+def _run(policy: RecoveryPolicy, steps: int, step_ms: float, take_ms: float, copy_ms: float, monkeypatch,
+         gather=_alone):
     clock = _Clock()
     monkeypatch.setattr(snapshots.time, "perf_counter", clock)
     keeper = _Keeper(copy_ms)
@@ -49,7 +54,7 @@ def _run(policy: RecoveryPolicy, steps: int, step_ms: float, take_ms: float, cop
         keeper.newest_step = trainer.global_step
         return True
 
-    callback = SurvivorSnapshots(take, keeper, policy)
+    callback = SurvivorSnapshots(take, keeper, policy, gather)
     for step in range(1, steps + 1):
         clock.now += step_ms / 1000
         trainer.global_step = step
@@ -66,6 +71,22 @@ def test_the_first_snapshot_is_timed_then_the_interval_keeps_the_cost_under_the_
     assert taken == [1, 2, 3, 4, 12, 24, 36, 48, 60]  # every step while 4 steps are timed, then every 12th
     assert (callback.cost_ms, callback.step_ms) == (pytest.approx(35.0), pytest.approx(100.0))  # the snapshot's host time is not in the step's
     assert callback.cost_ms / (callback.interval * callback.step_ms) <= 0.03  # one snapshot per 12 steps
+
+
+def test_every_rank_takes_the_largest_interval_once_all_have_chosen(monkeypatch):
+    """Would catch ranks snapshotting at their own intervals (after a loss the survivors could share no kept
+    step): the other rank's choice (20) wins over this rank's (12), and a rank not ready delays the choice."""
+    proposals: list[int | None] = []
+    others = iter([None, 20])
+
+    def gather(mine):
+        proposals.append(mine)
+        return [mine, next(others)]
+
+    callback, taken = _run(RecoveryPolicy(), steps=45, step_ms=100.0, take_ms=5.0, copy_ms=30.0,
+                           monkeypatch=monkeypatch, gather=gather)
+    assert proposals == [12, 12] and callback.interval == 20
+    assert taken == [1, 2, 3, 4, 5, 20, 40]  # every step until all agreed (after step 5), then every 20th
 
 
 def test_a_fixed_interval_is_kept(monkeypatch):

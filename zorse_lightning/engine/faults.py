@@ -29,6 +29,7 @@ copies taken after optimizer steps: :mod:`zorse_lightning.engine.checkpoint.surv
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,6 +46,8 @@ from zorse_lightning.engine.checkpoint.shards import all_gather
 from zorse_lightning.planner.plan import Plan
 
 LOST_EXIT_STATUS = 75
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
+"""A shell's status for a process ended by SIGTERM: what torchrun's agent expects of the workers it stops."""
 _COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "broken pipe", "timed out", "timeout", "socket", "peer")
 
 
@@ -179,9 +183,9 @@ class Watchdog:
                 )
 
 
-def _exit_with(message: str) -> None:
+def _exit_with(message: str, status: int = LOST_EXIT_STATUS) -> None:
     print(message, file=sys.stderr, flush=True)
-    os._exit(LOST_EXIT_STATUS)
+    os._exit(status)
 
 
 def rank_describer(plan: Plan, inventory: ClusterInventory | None):
@@ -199,6 +203,106 @@ def rank_describer(plan: Plan, inventory: ClusterInventory | None):
         return f"rank {rank} ({label}{where})"
 
     return describe
+
+
+def startup_describer(inventory: ClusterInventory | None) -> Callable[[int], str]:
+    """``describe(rank)`` before a plan exists: the rank, and its GPU and machine when known."""
+
+    def describe(rank: int) -> str:
+        if inventory is None or rank >= inventory.world_size:
+            return f"rank {rank} (in start-up)"
+        gpu = inventory.gpus[rank]
+        return f"rank {rank} ({gpu.gpu_type.name} on {gpu.machine}, in start-up)"
+
+    return describe
+
+
+def watch_startup(address: str, port: int, inventory: ClusterInventory | None, rank: int, world_size: int,
+                  policy: FaultPolicy) -> Watchdog:
+    """A watchdog over start-up (collective): a rank that fails there (out of memory at its first profiled size)
+    reports its error, and ranks waiting in a collective for it end within the heartbeat interval with that error,
+    rather than sit until NCCL's timeout; a rank that dies is declared lost after ``policy.timeout_s``. The
+    caller reports its own error with :meth:`Watchdog.explain` and stops the watchdog once start-up is done."""
+    token = all_gather(uuid.uuid4().hex if rank == 0 else None)[0]
+    watchdog = Watchdog.connect(address, port, f"startup-{token}", rank=rank, world_size=world_size,
+                                describe=startup_describer(inventory), policy=policy)
+    return watchdog.start()
+
+
+class SigtermKeeper:
+    """On SIGTERM, keep this rank's state (``keep``: the newest completed host copy, no device access) and end.
+
+    torchrun's agent, once one worker has died, sends SIGTERM to the others within seconds, long before the
+    watchdog's silence verdict. The main thread may then be stuck in a collective that a lost peer never
+    joins (under NCCL, a wait on the device), where a Python signal handler would never run. So the signal
+    also wakes a thread through :func:`signal.set_wakeup_fd`, whose byte the interpreter's C handler writes
+    at once; that thread keeps and ends the process (status :data:`SIGTERM_EXIT_STATUS`). The Python handler,
+    which runs only when the main thread returns to the interpreter, holds the main thread still meanwhile,
+    so it does not move the state being kept."""
+
+    MAIN_THREAD_WAIT_S = 60.0
+    """How long the main thread is held when it sees the signal (the keeping thread ends the process sooner)."""
+
+    def __init__(self, keep: Callable[[], None], who: str) -> None:
+        self._keep, self._who = keep, who
+        self._ending = threading.Event()
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._previous_handler: Any = None
+        self._previous_fd = -1
+
+    def install(self) -> bool:
+        """Take over SIGTERM (main thread only: False elsewhere, nothing changed)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # the C handler must never block
+        self._previous_handler = signal.signal(signal.SIGTERM, self._hold_main_thread)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd)
+        threading.Thread(target=self._watch, name="zorse-sigterm", daemon=True).start()
+        return True
+
+    def take_over(self) -> None:
+        """Be SIGTERM's only Python handler again, replacing one installed since (Lightning's, which runs a
+        broadcast on the default group inside the handler: on a group a lost peer broke, that fails and ends
+        the process while the keeping thread still writes)."""
+        if self._write_fd is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._hold_main_thread)
+
+    def remove(self) -> None:
+        """Give SIGTERM back as it was (a clean end of the run)."""
+        if self._write_fd is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        if signal.getsignal(signal.SIGTERM) == self._hold_main_thread:
+            signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+        os.close(self._write_fd)  # ends the watching thread's read
+        self._write_fd = None
+
+    def _hold_main_thread(self, signum: int, frame: Any) -> None:
+        if self._write_fd is None:  # reinstalled after removal (Lightning restores the handlers it found): default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._ending.wait(self.MAIN_THREAD_WAIT_S)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                woken = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not woken:
+                os.close(self._read_fd)
+                return
+            if signal.SIGTERM in woken:
+                break
+        try:
+            self._keep()
+        finally:  # the process must end even if keeping failed: torchrun's SIGKILL would follow
+            self._ending.set()
+            _exit_with(f"zorse: {self._who} received SIGTERM (its run was stopped); it kept its newest snapshot "
+                       f"for the relaunch", SIGTERM_EXIT_STATUS)
 
 
 def start_watchdog(address: str, port: int, plan: Plan, inventory: ClusterInventory | None, rank: int,

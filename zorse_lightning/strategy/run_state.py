@@ -3,6 +3,7 @@ rank's emulation, the data position and what a loaded checkpoint left to apply."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.checkpoint.survivors import RecoveryReport, SurvivorKeeper
 from zorse_lightning.engine.executor import PipelineEngine
-from zorse_lightning.engine.faults import Watchdog
+from zorse_lightning.engine.faults import SigtermKeeper, Watchdog
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.startup.plan_at_start import StartupResult
 from zorse_lightning.strategy.gradient_stash import GradientStash
@@ -34,7 +35,7 @@ class ResumeState:
     """The resumed checkpoint's global batch size: a plan made at start keeps it (same data order)."""
     pending_optimizer_states: list[dict[str, Any]] = field(default_factory=list)
     """Applied once the optimizers are restricted to this rank's weights."""
-    pending_module_state: dict[str, Any] | None = None
+    pending_module_state: Mapping[str, Any] | None = None
     """A checkpoint's weights for a module built on the meta device: read into the stage as it is placed."""
 
     def train_loader(self, sampler: PlanBatchSampler) -> None:
@@ -74,6 +75,8 @@ class RunState:
     emulation: StageEmulation | None = None
     """That emulation applied to the rank's stage, from the first step."""
     watchdog: Watchdog | None = None
+    sigterm: SigtermKeeper | None = None
+    """Keeps the survivor snapshot on SIGTERM (installed with the snapshots, removed at teardown)."""
     manual: ManualOptimization | None = None
     """Set with the plan for modules that optimise by hand."""
     host_group: Any = None

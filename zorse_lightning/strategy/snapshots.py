@@ -28,16 +28,23 @@ class SurvivorSnapshots(pl.Callback):
 
     Snapshots are taken every ``interval`` optimizer steps. Unless the policy fixes it, the interval is
     chosen once the first snapshot is complete and a few steps were timed (snapshots are taken at every
-    step until then, as far as their copies allow): its cost (the host's time to take the first one plus
-    its copy's time on the side stream, counted as if it did not overlap the step at all) over
-    :attr:`RecoveryPolicy.max_snapshot_cost` of the median step. The run says what it chose.
+    step until then): its cost (the host's time to take the first one plus its copy's time on the side
+    stream, counted as if it did not overlap the step at all) over :attr:`RecoveryPolicy.max_snapshot_cost`
+    of the median step. Every rank takes the largest interval any rank chose (``gather``: over all ranks),
+    so all snapshot the same steps and the survivors of a loss share a kept step; a rank whose own choice
+    is not ready yet (its first copy still running) delays the agreement by a step. The run says what it
+    chose.
     """
 
     STEPS_TIMED = 4
     """Steps (end to end, host clock) timed before the interval is chosen."""
 
-    def __init__(self, take: Callable[[pl.Trainer], bool], keeper: SurvivorKeeper, policy: RecoveryPolicy) -> None:
+    def __init__(
+        self, take: Callable[[pl.Trainer], bool], keeper: SurvivorKeeper, policy: RecoveryPolicy,
+        gather: Callable[[Any], list[Any]],
+    ) -> None:
         self._take = take
+        self._gather = gather
         self._keeper = keeper
         self._policy = policy
         self.interval: int | None = policy.snapshot_every_steps
@@ -67,15 +74,22 @@ class SurvivorSnapshots(pl.Callback):
             self._last_end = time.perf_counter()  # the snapshot's host time is timed apart from the step's
 
     def _choose_interval(self) -> None:
-        if self._take_ms is None or self._keeper.newest_step is None or len(self._step_ms) < self.STEPS_TIMED:
+        """Collective once every rank has timed its steps (they do so at the same step): every rank proposes
+        its interval (None while its first copy runs) and all take the largest, once none is None."""
+        if len(self._step_ms) < self.STEPS_TIMED:
             return
+        ready = self._take_ms is not None and self._keeper.newest_step is not None
         copy_ms = self._keeper.last_copy_ms or 0.0
-        self.cost_ms = cost_ms = self._take_ms + copy_ms
-        self.step_ms = step_ms = statistics.median(self._step_ms)
-        self.interval = snapshot_interval(cost_ms, step_ms, self._policy.max_snapshot_cost)
+        cost_ms = self._take_ms + copy_ms if ready else 0.0
+        step_ms = statistics.median(self._step_ms)
+        mine = snapshot_interval(cost_ms, step_ms, self._policy.max_snapshot_cost) if ready else None
+        proposed = self._gather(mine)
+        if any(p is None for p in proposed):
+            return
+        self.cost_ms, self.step_ms, self.interval = cost_ms, step_ms, max(proposed)
         rank_zero_info(
             f"zorse: survivor snapshots every {'step' if self.interval == 1 else f'{self.interval} steps'} (a recovery "
-            f"redoes at most {self.interval}): "
+            f"redoes at most {self.interval}; the largest of the ranks' choices): on rank 0 "
             f"one costs {cost_ms:.1f} ms ({self._take_ms:.1f} on the host, {copy_ms:.1f} copying) against a "
             f"{step_ms:.1f} ms step, at most {100 * self._policy.max_snapshot_cost:g} % of step time "
             f"(RecoveryPolicy(snapshot_every_steps=...) fixes it)"

@@ -52,7 +52,8 @@ from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
 from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
 from zorse_lightning.engine.host_group import host_group
-from zorse_lightning.engine.faults import FaultPolicy, start_watchdog
+from zorse_lightning.engine.checkpoint.by_name import ByName
+from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
 from zorse_lightning.module.blocks import CutError, find_block_list
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
@@ -325,9 +326,14 @@ class ZorseStrategy(ParallelStrategy):
         if self._recovery.enabled and self.world_size > 1 and not any(
             isinstance(c, SurvivorSnapshots) for c in trainer.callbacks
         ):
-            trainer.callbacks.insert(0, SurvivorSnapshots(self._snapshot_for_recovery, self._state.keeper, self._recovery))
+            trainer.callbacks.insert(0, SurvivorSnapshots(
+                self._snapshot_for_recovery, self._state.keeper, self._recovery, self._host_gather
+            ))
+            if self._state.sigterm is None:
+                self._state.sigterm = SigtermKeeper(self._keep_survivor_state, f"rank {self.global_rank}")
+                self._state.sigterm.install()
         if self._state.engine is None:
-            if self.world_size > 1:
+            if self.world_size > 1 and self._state.host_group is None:  # a resume may have made it already
                 self._state.host_group = host_group(self._timeout, self.cluster_environment.main_address)
             if self.world_size > 1 and not has_meta_tensors(self.lightning_module):  # meta: values per stage
                 broadcast_module(self.lightning_module, self._state.host_group)
@@ -378,8 +384,10 @@ class ZorseStrategy(ParallelStrategy):
 
     def _initial_values(self) -> InitialValues:
         """A resumed checkpoint's weights (names as the module's own), else the pretrained ``weights`` given."""
-        if self._state.resume.pending_module_state is not None:
-            return InitialValues(self.seed, self._state.resume.pending_module_state, weights_prefix="")
+        pending = self._state.resume.pending_module_state
+        if pending is not None:
+            weights = pending.weight_source() if isinstance(pending, ByName) else pending  # read per placed tensor
+            return InitialValues(self.seed, weights, weights_prefix="")
         return InitialValues(self.seed, self._weights, self._weights_prefix)
 
     @override
@@ -427,9 +435,19 @@ class ZorseStrategy(ParallelStrategy):
             self._state.resume.checkpoint_global_batch_size, self._planner_options, self.block_path, self._rank_emulation(),
             self.seed,
         )
-        with torch.inference_mode(False), torch.enable_grad():
-            batch = self.batch_to_device(next(iter(loader)))
-            self._state.startup = run_startup(inputs, batch, quiet_training_step(self.lightning_module))
+        environment = self.cluster_environment
+        watchdog = watch_startup(environment.main_address, environment.main_port, self.inventory, self.global_rank,
+                                 self.world_size, self._faults)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                batch = self.batch_to_device(next(iter(loader)))
+                self._state.startup = run_startup(inputs, batch, quiet_training_step(self.lightning_module))
+        except BaseException as error:  # every rank ends with the failing rank's error, not NCCL's timeout
+            lost = watchdog.explain(error)
+            if lost is not None:
+                raise lost from error
+            raise
+        watchdog.stop()
         return self._state.startup.plan
 
     @override
@@ -456,6 +474,9 @@ class ZorseStrategy(ParallelStrategy):
             silent = LogCapture(self.plan.microbatch_size)
             with capturing_logs(self.lightning_module, silent):
                 self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
+        pending = self._state.resume.pending_module_state
+        if isinstance(pending, ByName):  # the stage holds copies: the files' pages need not stay mapped
+            pending.files.close()
         self._state.training_prepared = True
         for optimizer in self.optimizers:
             self.engine.setup_optimizer(optimizer)
@@ -606,6 +627,21 @@ class ZorseStrategy(ParallelStrategy):
         common["zorse"] = {"sampler": shards.zorse_section(None, None, self._state.resume.sampler_state())["sampler"]}
         return self._state.keeper.snapshot(trainer.global_step, common, module, optimizers)
 
+    @override
+    def on_train_start(self) -> None:
+        """Lightning has registered its SIGTERM handler by now: survivors' keeping takes SIGTERM back."""
+        super().on_train_start()
+        if self._state.sigterm is not None:
+            self._state.sigterm.take_over()
+
+    def _host_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` over the host (gloo) group: pickles never staged on a GPU."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self._state.host_group)
+        return gathered
+
     def _keep_survivor_state(self) -> None:
         if self._recovery.enabled and self.lightning_module is not None:
             directory = keeping_directory(self._recovery, self.lightning_module.trainer)
@@ -618,8 +654,8 @@ class ZorseStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """A module built on the meta device has no memory to load into: its stage reads the checkpoint's
         weights when it reaches the device (``InitialValues.weights``)."""
-        if has_meta_tensors(self.lightning_module):
-            self._state.resume.pending_module_state = dict(checkpoint["state_dict"])
+        if has_meta_tensors(self.lightning_module):  # kept lazy: only the stage's tensors are ever read
+            self._state.resume.pending_module_state = checkpoint["state_dict"]
         else:
             super().load_model_state_dict(checkpoint, strict=strict)
 
@@ -641,14 +677,17 @@ class ZorseStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not shards.is_checkpoint_directory(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.world_size > 1 and self._state.host_group is None:  # files and verdicts go over gloo
+            self._state.host_group = host_group(self._timeout, self.cluster_environment.main_address)
         if self._recovery.enabled:
             checkpoint, report = relaunch.load(
-                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size
+                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size,
+                self._host_gather, self._state.host_group,
             )
             (rank_zero_warn if report.passed_over_survivors else rank_zero_info)(report.message)
             self._state.recovery_report = report
         else:
-            checkpoint = shards.load(checkpoint_path, self.global_rank, self.world_size)
+            checkpoint = shards.load(checkpoint_path, self.global_rank, self.world_size, self._host_gather)
         zorse = checkpoint.get("zorse") or {}
         if zorse.get("plan"):
             self._state.resume.checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
@@ -673,6 +712,9 @@ class ZorseStrategy(ParallelStrategy):
         """As Lightning's, except that other stages' weights stay on the meta device (they have no data)."""
         if self._state.watchdog is not None:
             self._state.watchdog.stop()
+        if self._state.sigterm is not None:
+            self._state.sigterm.remove()
+            self._state.sigterm = None
         if self._state.emulation is not None:
             self._state.emulation.stop()
         self.cluster_environment.teardown()

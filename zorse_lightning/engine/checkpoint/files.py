@@ -11,6 +11,14 @@ process die between the two renames, :func:`read_checkpoint` finds the old one.
 Layout of ``path/``: ``manifest.json``, ``common.pt`` (rank 0: what every rank
 shares) and ``shard-00000.pt``... (one per rank: what that rank alone holds).
 The directory must be on storage every rank sees (a shared file system).
+
+Every file holds only tensors and plain containers, so it is read with
+``torch.load(weights_only=True)``: unpickling runs no code a file could carry.
+A file that is not so is refused when it is written (and, if it came from
+elsewhere, when it is read), naming the file, the rule and the fix. Reading
+memory-maps the file (``mmap=True``), so a rank's memory holds only the tensors
+it touches; a file's checksum is computed once, by one rank
+(:func:`verify_files`), not by every rank that reads it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -71,11 +80,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+WEIGHTS_ONLY_RULE = (
+    "zorse checkpoint files hold only tensors and plain containers (dict, list, tuple, str, int, float, bool, "
+    "None), so that torch.load(weights_only=True) reads them without running code from the file"
+)
+
+
+class NotWeightsOnlyError(CheckpointError):
+    """A file the project reads holds objects that ``torch.load(weights_only=True)`` refuses."""
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The classes and functions a torch file's pickle would import (reads the pickle, not the tensors)."""
+    return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+
+
 def _write(obj: Any, path: Path) -> FileRecord:
     with path.open("wb") as handle:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    unsafe = _unsafe_globals(path)
+    if unsafe:  # refused now, while the run that wrote it can still be fixed, not at the resume
+        raise NotWeightsOnlyError(
+            f"{path.name} would hold objects of {', '.join(unsafe[:5])}; {WEIGHTS_ONLY_RULE}: keep hyper-parameters, "
+            f"callback and data-module state plain (convert dataclasses with dataclasses.asdict, enums to their "
+            f"values, numpy arrays to tensors)"
+        )
     return FileRecord(path.name, path.stat().st_size, _sha256(path))
 
 
@@ -108,12 +139,14 @@ def write_checkpoint(
             records.append(_write(common, staging / COMMON))
     except OSError as exc:  # disk full, permissions: every rank must learn of it, not only this one
         error = f"rank {rank} could not write {staging}: {exc}"
+    except NotWeightsOnlyError as exc:
+        error = f"rank {rank}: {exc}"
     agreed = gather((records, error))
     errors = [e for _, e in agreed if e]
     if not errors and rank == 0:
         try:
             _publish(path, staging, token, [r for rs, _ in agreed for r in rs], metadata, before_publish)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             errors.append(f"rank 0 could not publish {path}: {exc}")
     errors = gather(errors)[0]  # rank 0's list: everyone's write errors and its own publishing error
     if errors:
@@ -126,6 +159,17 @@ def write_checkpoint(
 
 
 def _publish(path, staging, token, records, metadata, before_publish) -> None:
+    """Write the manifest and rename the staging directory into place, unless a file it lists is absent or of
+    another size than written (a rank whose write did not reach the shared file system)."""
+    incomplete = [
+        f"{r.name} ({'missing' if not (staging / r.name).is_file() else 'of another size than written'})"
+        for r in records if not (staging / r.name).is_file() or (staging / r.name).stat().st_size != r.size_bytes
+    ]
+    if incomplete:
+        raise CheckpointError(
+            f"the checkpoint would list files that are not whole in {staging}: {', '.join(incomplete)}; every rank "
+            f"must write to storage rank 0 sees (a shared file system): check that the checkpoint directory is shared"
+        )
     manifest = {
         "format": FORMAT, "version": FORMAT_VERSION, **metadata,
         "files": {r.name: asdict(r) for r in sorted(records, key=lambda r: r.name)},
@@ -181,25 +225,56 @@ def read_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return directory, manifest
 
 
-def read_file(directory: Path, manifest: dict[str, Any], name: str) -> Any:
-    """One file of the checkpoint, after checking its size and checksum against the manifest."""
+def _problem(directory: Path, manifest: dict[str, Any], name: str, checksum: bool) -> str | None:
+    """What is wrong with one file of the checkpoint against its manifest (None: nothing); the checksum reads
+    the whole file, so only one rank computes it (:func:`verify_files`)."""
     record = manifest["files"].get(name)
     if record is None:
-        raise CheckpointError(f"{directory} lists no {name} in its manifest; it is incomplete")
+        return f"{directory} lists no {name} in its manifest; it is incomplete"
     file = directory / name
     problem = None
     if not file.is_file():
         problem = "is missing"
     elif file.stat().st_size != record["size_bytes"]:
         problem = f"has {file.stat().st_size} bytes, the manifest says {record['size_bytes']} (truncated?)"
-    elif _sha256(file) != record["sha256"]:
+    elif checksum and _sha256(file) != record["sha256"]:
         problem = "does not match its SHA-256 checksum (corrupt)"
     if problem:
-        raise CheckpointError(
-            f"checkpoint file {file} {problem}; this checkpoint cannot be loaded: resume from an earlier one "
-            f"(it was left untouched)"
-        )
-    return torch.load(file, map_location="cpu", weights_only=False)
+        return (f"checkpoint file {file} {problem}; this checkpoint cannot be loaded: resume from an earlier one "
+                f"(it was left untouched)")
+    return None
+
+
+def verify_files(directory: Path, manifest: dict[str, Any], names: list[str], rank: int, world_size: int,
+                 gather: Gather) -> None:
+    """Check ``names`` against the manifest, each file's checksum computed by one rank (file i by rank i mod the
+    world size), and raise the problems on every rank (collective)."""
+    ordered = sorted(set(names))
+    mine = [_problem(directory, manifest, name, checksum=True) for name in ordered[rank::world_size]]
+    problems = [p for found in gather([p for p in mine if p]) for p in found]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def open_file(path: Path) -> Any:
+    """A file the project wrote, memory-mapped and unpickled with ``weights_only=True``: its tensors are read
+    from disk only where touched."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise NotWeightsOnlyError(
+            f"{path} is refused: {WEIGHTS_ONLY_RULE}, and this one is not ({str(error).splitlines()[-1]}); it was "
+            f"not written by this version of zorse_lightning: resume from a checkpoint it wrote, or, if you trust "
+            f"the file, load it with torch.load(path, weights_only=False) and save its tensors again"
+        ) from None
+
+
+def read_file(directory: Path, manifest: dict[str, Any], name: str) -> Any:
+    """One file of the checkpoint, checked against the manifest (checksum included) in this process alone."""
+    problem = _problem(directory, manifest, name, checksum=True)
+    if problem:
+        raise CheckpointError(problem)
+    return open_file(directory / name)
 
 
 def is_checkpoint_directory(path: str | Path) -> bool:

@@ -81,6 +81,11 @@ class CopyDone:
         """Whether the copy has completed (never waits)."""
         return self._end is None or self._end.query()
 
+    def wait(self) -> None:
+        """The host waits until the copy has completed (a snapshot due before its predecessor finished)."""
+        if self._end is not None:
+            self._end.synchronize()
+
     def make_current_stream_wait(self) -> None:
         """The current stream's later work (the next optimizer step) runs after the copy; the host goes on."""
         if self._end is not None:

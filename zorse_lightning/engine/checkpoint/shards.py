@@ -13,7 +13,7 @@ exports to a plain state dict (:mod:`zorse_lightning.apps.export_app`).
 from __future__ import annotations
 
 import random
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ from torch.utils._pytree import tree_map
 
 from zorse_lightning.engine.checkpoint import files as checkpoint_files
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.engine.checkpoint.by_name import ByName, OpenedFiles, optimizer_section, state_dict_section
 from zorse_lightning.engine.checkpoint.files import (
-    COMMON, CheckpointError, is_checkpoint_directory, read_file, read_manifest, shard_name,
+    COMMON, CheckpointError, Gather, is_checkpoint_directory, read_file, read_manifest, shard_name, verify_files,
 )
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.module.materialize import holds_values
@@ -111,7 +112,13 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, sa
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The generators' states as tensors and plain values (numpy's key array as a tensor: a file holding a numpy
+    array is not loadable with ``weights_only=True``)."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(), "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gaussian)],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -119,7 +126,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -127,10 +135,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def zorse_section(plan: Plan | None, inventory: ClusterInventory | None, sampler: Any = None) -> dict:
     """What the strategy adds to Lightning's checkpoint: the plan, the cluster, the data position (the sampler's
-    state, a dataclass)."""
+    state, a dataclass), all as plain dictionaries (the files are read with ``weights_only=True``)."""
     return {
         "plan": plan.to_dict() if plan else None,
-        "inventory": inventory,
+        "inventory": asdict(inventory) if is_dataclass(inventory) else inventory,
         "sampler": asdict(sampler) if sampler else None,
     }
 
@@ -168,7 +176,8 @@ def save(checkpoint: dict[str, Any], path: str | Path, metadata: dict[str, Any],
 
 
 def read_shards(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-    """The manifest, rank 0's common part and every rank's shard, each file verified first."""
+    """The manifest, rank 0's common part and every rank's shard, each file verified first, in this process
+    alone (the export of the whole model)."""
     directory, manifest = read_manifest(path)
     common = read_file(directory, manifest, COMMON)
     shards = [read_file(directory, manifest, shard_name(rank)) for rank in range(manifest["world_size"])]
@@ -182,15 +191,54 @@ def merged_state_dict(shards: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def load(path: str | Path, rank: int, world_size: int) -> dict[str, Any]:
-    """The whole checkpoint as Lightning's dictionary; this rank's RNG restored when the checkpoint has as
-    many ranks (on another cluster each rank keeps its own generators)."""
-    manifest, checkpoint, shards = read_shards(path)
-    checkpoint["state_dict"] = merged_state_dict(shards)
-    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
-        state[NAMED_STATE_KEY] = {k: v for shard in shards for k, v in shard["optimizers"][index].items()}
+@dataclass(frozen=True)
+class Holder:
+    """A file holding part of a step's state, and what, known without opening it (a checkpoint's manifest
+    ``contents``, a survivor's index)."""
+
+    path: Path
+    entries: tuple[str, ...]
+    """Module state-dict names."""
+    stepped: tuple[tuple[str, ...], ...]
+    """Per optimizer: the parameter names whose optimizer state it holds."""
+
+
+def checkpoint_holders(directory: Path, manifest: dict[str, Any], names: list[str]) -> list[Holder]:
+    """The checkpoint's shards ``names`` as holders, from the manifest's ``contents``."""
+    contents = manifest["contents"]
+    return [
+        Holder(directory / name, tuple(contents[name]["state_dict"]), tuple(map(tuple, contents[name]["optimizers"])))
+        for name in names
+    ]
+
+
+def assembled(common: dict[str, Any], holders: list[Holder], files: OpenedFiles, description: str) -> dict[str, Any]:
+    """Lightning's checkpoint dictionary: ``common`` with the module's and each optimizer's state by name, read
+    from ``holders`` (a later holder's entries win) only when asked for (:mod:`.by_name`)."""
+    located: dict[str, Path] = {}
+    stepped: list[dict[str, Path]] = [{} for _ in common.get("optimizer_states", [])]
+    for holder in holders:
+        located.update(dict.fromkeys(holder.entries, holder.path))
+        for index, names in enumerate(holder.stepped[: len(stepped)]):
+            stepped[index].update(dict.fromkeys(names, holder.path))
+    common["state_dict"] = ByName(located, files, state_dict_section, description)
+    for index, state in enumerate(common.get("optimizer_states", [])):
+        state[NAMED_STATE_KEY] = ByName(stepped[index], files, optimizer_section(index), description)
+    return common
+
+
+def load(path: str | Path, rank: int, world_size: int, gather: Gather = all_gather) -> dict[str, Any]:
+    """The checkpoint as Lightning's dictionary, its tensors read only when asked for; every file verified once,
+    by one rank (collective); this rank's RNG restored when the checkpoint has as many ranks (on another cluster
+    each rank keeps its own generators)."""
+    directory, manifest = read_manifest(path)
+    names = [shard_name(r) for r in range(manifest["world_size"])]
+    verify_files(directory, manifest, [COMMON, *names], rank, world_size, gather)
+    files = OpenedFiles()
+    checkpoint = assembled(files.get(directory / COMMON), checkpoint_holders(directory, manifest, names), files,
+                           f"the checkpoint {directory}")
     if manifest["world_size"] == world_size:
-        set_rng_state(shards[rank]["rng"])
+        set_rng_state(files.get(directory / shard_name(rank))["rng"])
     return checkpoint
 
 

@@ -22,18 +22,20 @@ held tensors, in one of two ways (:class:`SurvivorKeeper`):
   snapshot and twice its size in pinned host memory (checked:
   :func:`check_host_memory`).
 
-When the watchdog declares a rank lost, the rank writes its held state to local
-disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json`` index, each
-renamed into place).
+When the watchdog declares a rank lost, or the process gets SIGTERM (torchrun's
+agent ends the survivors so within seconds of a loss:
+:func:`~zorse_lightning.engine.faults.keep_on_sigterm`), the rank writes its held
+state to local disk (``<directory>/step-N/rank-R.pt`` and a small ``rank-R.json``
+index, each renamed into place).
 
 On ``fit(ckpt_path=...)`` (:func:`.relaunch.load`) the relaunch, on the cluster as it is
 now, takes the newest step whose kept state covers every entry of the model and
 every parameter the optimizers step; a step newer than the checkpoint must be
 covered by survivors alone, the checkpoint's own step may be completed by its
 shards (only those that hold a missing entry are read). Survivors' files are
-memory-mapped, so a rank reads only the tensors it uses: the whole module (Lightning
-loads it before the model is cut) but only the optimizer state of the parameters
-it steps. Each rank keeps its own random generators (as on elastic resume):
+memory-mapped and opened only for the names a rank's stage asks for, so a rank
+reads only its stage's tensors and the optimizer state of the parameters it
+steps. Each rank keeps its own random generators (as on elastic resume):
 survivors' generators belong to the old rank layout.
 """
 
@@ -45,6 +47,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +62,9 @@ from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.materialize import holds_values
 
 SURVIVORS_DIR = ".survivors"
+KEEP_WAITS_FOR_COPY_S = 10.0
+"""How long keeping waits for a host copy in flight (a step's state over PCIe: seconds at most) before writing the
+previous one: the other survivors' copies of that step have most likely completed."""
 FORMAT = "zorse-survivor"
 
 
@@ -141,7 +147,7 @@ def _serialized(common: dict[str, Any]) -> bytes:
 
 
 def _deserialized(common: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(common), map_location="cpu", weights_only=False)
+    return torch.load(io.BytesIO(common), map_location="cpu", weights_only=True)
 
 
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -189,8 +195,12 @@ class SurvivorKeeper:
     themselves if they have not moved.
 
     Host copies alternate between two buffer sets, refilled in place: one holds the newest complete
-    snapshot, the other takes the next copy, which starts only once the previous one has completed. Once
-    keeping has started, snapshots stop, so the copies it writes are never refilled. ``static`` holds what
+    snapshot, the other takes the next copy, which starts only once the previous one has completed: a
+    snapshot due while the previous copy still runs waits for it rather than being skipped, so every rank
+    snapshots the same steps (the interval is agreed across ranks) and survivors share a kept step. Keeping
+    likewise gives a copy still in flight a bounded time (:data:`KEEP_WAITS_FOR_COPY_S`) to complete, asking
+    the device without blocking on it. Once keeping has started, snapshots stop, so the copies it writes are
+    never refilled. ``static`` holds what
     every snapshot shares and never changes (the plan, the inventory): set once, written with each file."""
 
     def __init__(self, host_copies: bool | None = None) -> None:
@@ -218,12 +228,14 @@ class SurvivorKeeper:
 
     def snapshot(self, step: int, common: dict[str, Any], module: nn.Module, optimizers: list) -> bool:
         """After optimizer step ``step``: ``common`` is Lightning's checkpoint without the tensors. False when
-        no snapshot was started: keeping began, or the previous copy has not completed yet."""
+        no snapshot was started (keeping began). A previous copy still running is waited for (its buffers
+        are needed), not skipped: a skipped step on one rank would be a step the survivors do not share."""
         if self._kept:
             return False
         self._settle()
         if self._pending is not None:
-            return False
+            self._pending.done.wait()
+            self._publish_pending()
         tensors = _tensors(module, optimizers)
         if not self.copies(module, optimizers):
             self._snapshot = _Snapshot(step, _serialized(common), _versions(tensors), None)
@@ -240,12 +252,24 @@ class SurvivorKeeper:
     def _settle(self) -> None:
         """Publish the pending copy once complete (asks the device, never waits); its buffers' predecessor
         becomes the spare set."""
+        if self._pending is not None and self._pending.done.query():
+            self._publish_pending()
+
+    def _publish_pending(self) -> None:
+        """The pending copy, known complete, becomes the newest snapshot."""
         pending = self._pending
-        if pending is None or not pending.done.query():
-            return
         self.last_copy_ms = pending.done.elapsed_ms()
         published, self._snapshot, self._pending = self._snapshot, pending, None
         self._spare = published.host if published is not None else None
+
+    def _settle_within(self, seconds: float) -> None:
+        """Publish the pending copy if it completes within ``seconds``, polling (a blocking device wait could
+        sit behind a collective a lost peer never joins: the copy's own stream is not blocked by it)."""
+        deadline = time.monotonic() + seconds
+        self._settle()
+        while self._pending is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._settle()
 
     def before_optimizer_step(self) -> None:
         """The optimizer step about to be queued changes the weights: it runs after the pending copy (a wait on
@@ -266,7 +290,7 @@ class SurvivorKeeper:
         unstuck by the lost connection, handles its error); the second waits until the first has written:
         returning at once would let the process end, and the watchdog's daemon thread with it, mid-write."""
         with self._keeping:
-            self._settle()
+            self._settle_within(KEEP_WAITS_FOR_COPY_S)
             if self._kept or self._snapshot is None:
                 return None
             self._kept = True
