@@ -45,7 +45,7 @@ def test_plan_invariants(name: str, allow_idle_ranks: bool) -> None:
     if not allow_idle_ranks:
         assert plan.idle_ranks == ()  # off: every rank works
     assert plan.world_size == inventory.world_size
-    used = sorted([r for s in plan.stages for r in s.ranks] + list(plan.idle_ranks))
+    used = sorted([r for s in plan.rank_groups for r in s.ranks] + list(plan.idle_ranks))
     assert used == list(range(inventory.world_size))
     assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == profile.num_layers
     for before, after in zip(plan.stages, plan.stages[1:]):

@@ -43,7 +43,8 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.diagnose import infeasible_error
 from zorse_lightning.planner.bound import lower_bound_ms
-from zorse_lightning.planner.choice import Choice
+from zorse_lightning.planner import baseline_plans
+from zorse_lightning.planner.choice import MOST_SIMULATED_WORK, Choice, price, work_of
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import (
     memory_overruns,
@@ -58,8 +59,7 @@ from zorse_lightning.planner.cost.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
-from zorse_lightning.planner.interleave_choice import MOST_RECORDING_WORK, interleaved_if_faster
-from zorse_lightning.planner.cost.simulate import with_simulated_prediction
+from zorse_lightning.planner.interleave_choice import interleaved_if_faster
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -98,19 +98,19 @@ def make_plan(
         (lower_bound_ms(ctx, layout, m, global_batch_size), i, layout, m, schedule)
         for i, (layout, m, schedule) in enumerate((l, m, sc) for l in layouts for m in sizes for sc in schedules)
     )
-    choice, scored = Choice(), []
+    choice, scored = Choice(ctx), []
     world = ctx.inventory.world_size
     for bound, i, layout, m, schedule in bounded:
-        if bound >= choice.threshold_ms(uses_every_gpu=True):
+        if _past(choice, bound, uses_every_gpu=True):
             break
-        if bound >= choice.threshold_ms(_uses(layout, world)):
+        if _past(choice, bound, _uses(layout, world)):
             continue
         heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
         choice.offer(heuristic)
         scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
     for _, bound, _, layout, m, schedule, heuristic in sorted(scored, key=lambda item: item[:3]):
-        if choice.chosen is not None and (solves >= options.max_programs or bound >= choice.threshold_ms(_uses(layout, world))):
+        if choice.chosen is not None and (solves >= options.max_programs or _past(choice, bound, _uses(layout, world))):
             continue
         if heuristic is not None and _nothing_to_choose(ctx, layout):
             continue
@@ -132,36 +132,77 @@ def make_plan(
                 choice.offer(found)
                 break
     _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, choice, notes)
+    if _unpinned(options):
+        _offer_baselines(ctx, profile, global_batch_size, options, choice)
+    choice.finalists()
     best = choice.chosen
     if best is None:
         raise infeasible_error(ctx, layouts, sizes, schedules[0], global_batch_size, options)
     found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
-    record = SolverRecord(SOLVER_NAME, f"{found_by}; {solves} programs solved", best.solver.objective_ms)
+    record = SolverRecord(
+        SOLVER_NAME, f"{found_by}; {solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated",
+        best.solver.objective_ms,
+    )
+    baseline = next((n.removeprefix("baseline: ") for n in best.notes if n.startswith("baseline: ")), None)
+    if baseline:
+        notes = (*notes, f"a baseline's plan ({baseline}): no candidate of the search beat it")
     if any(s.gather_per_microbatch for s in best.stages):
         rounds = max(best.stages[0].microbatches_per_rank)
         notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
     best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave)
-    notes = (*notes, *(note for note in (idle_note, interleave_note) if note))
-    best, simulation_note = _simulated_where_recordable(ctx, best)
-    notes = (*notes, *([simulation_note] if simulation_note else []))
+    best = price(ctx, best)
+    notes = (*notes, *(note for note in (idle_note, interleave_note, _prediction_note(best, choice)) if note))
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
 
 
-def _simulated_where_recordable(ctx: CostContext, plan: Plan) -> tuple[Plan, str | None]:
-    """``plan`` predicted by the simulation of the engine's programs (what runs), where recording them
-    fits in planning time (:data:`.interleave_choice.MOST_RECORDING_WORK`); else by the closed form, with a
-    note saying so (1024 GPUs of ``bench/plan_scaling.py``: 11 s more at 2048 microbatches)."""
-    working = sum(len(group.ranks) for group in plan.rank_groups)
-    work = 2 * plan.interleave * plan.num_microbatches * working
-    if work > MOST_RECORDING_WORK:
-        return plan, (
-            f"predicted by the cost model's closed form: simulating the engine's programs ({plan.num_microbatches} "
-            f"microbatches on {working} GPUs, 2 V M R = {work:,} > {MOST_RECORDING_WORK:,}) would take longer than "
-            f"planning may"
-        )
-    return with_simulated_prediction(ctx, plan), None
+def _past(choice: Choice, bound: float, uses_every_gpu: bool) -> bool:
+    """Whether a candidate of lower bound ``bound`` cannot change the choice, against the simulated time of
+    the plan the choice holds (:meth:`.choice.Choice.settle` simulates it first, where it was not)."""
+    if bound < choice.threshold_ms(uses_every_gpu):
+        return False
+    choice.settle()
+    return bound >= choice.threshold_ms(uses_every_gpu)
+
+
+def _unpinned(options: PlannerOptions) -> bool:
+    """No part of the plan pinned: the baselines' plans are then candidates of the search."""
+    return all(pin is None for pin in (options.stage_layout, options.layer_counts, options.microbatch_size, options.schedule))
+
+
+def _offer_baselines(ctx: CostContext, profile: ModelProfile, global_batch_size: int, options: PlannerOptions, choice: Choice) -> None:
+    """Offer ``choice`` every baseline the planner prints (:mod:`.baseline_plans`), so that none is faster
+    than the plan by construction: the fastest GPU type alone is planned on its sub-cluster (as
+    :func:`.baselines.fastest_type_alone` prints it) where the plan may leave GPUs idle and the cluster has
+    several types."""
+    choice.offer(baseline_plans.data_parallel_equal(ctx, global_batch_size, options))
+    choice.offer(baseline_plans.cephalo(ctx, global_batch_size, options))
+    if options.allow_pipeline:
+        choice.offer(baseline_plans.proportional_heuristic(ctx, global_batch_size, options))
+    if options.allow_idle_ranks and len(ctx.inventory.gpu_types) > 1:
+        sub, ranks = baseline_plans.fastest_type_cluster(ctx)
+        try:
+            alone = make_plan(sub, profile, global_batch_size, options)
+        except PlanningError:
+            return
+        only = f"baseline: only the {len(ranks)} {sub.gpus[0].gpu_type.name} GPUs"
+        choice.offer(baseline_plans.onto_cluster(ctx, replace(alone, notes=(only,)), ranks))
+
+
+def _prediction_note(plan: Plan, choice: Choice) -> str:
+    """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
+    simulated = f"{choice.simulated} of {len(choice.pool)} plans the search priced were simulated ({choice.simulated_work:,} units of 2 V M R)"
+    if plan.predicted.closed_form_ms is None:
+        why = "its stage gathers parameters per microbatch, which the simulation does not play" if any(
+            s.gather_per_microbatch for s in plan.stages
+        ) else f"simulating its programs (2 V M R = {work_of(plan):,} > {MOST_SIMULATED_WORK:,}) would take longer than planning may"
+        return f"predicted by the cost model's closed form: {why}; {simulated}"
+    closed, ms = plan.predicted.closed_form_ms, plan.predicted.iteration_ms
+    return (
+        f"predicted by the simulation of the engine's programs: {ms:.1f} ms; the closed form says {closed:.1f} ms "
+        f"({closed / ms - 1:+.1%}); {simulated}"
+    )
 
 
 def _uses(layout: Layout, world_size: int) -> bool:
@@ -225,7 +266,7 @@ def _gathered_per_microbatch(
     for (ranks,) in (l for l in layouts if len(l) == 1 and len(l[0]) > 1):
         order = sorted(ranks, key=lambda r: -speeds[ctx.inventory.gpus[r].gpu_type.name])
         for m in sizes:
-            if lower_bound_ms(ctx, (ranks,), m, global_batch_size) >= choice.threshold_ms(len(ranks) == ctx.inventory.world_size):
+            if _past(choice, lower_bound_ms(ctx, (ranks,), m, global_batch_size), len(ranks) == ctx.inventory.world_size):
                 continue
             shares = dict(zip(order, proportional_counts(global_batch_size // m, [1.0] * len(order))))
             for recompute in (False, True):
