@@ -205,7 +205,13 @@ class Holder:
 
 def checkpoint_holders(directory: Path, manifest: dict[str, Any], names: list[str]) -> list[Holder]:
     """The checkpoint's shards ``names`` as holders, from the manifest's ``contents``."""
-    contents = manifest["contents"]
+    contents = manifest.get("contents")
+    if contents is None:
+        raise CheckpointError(
+            f"{directory} has no 'contents' in its manifest (what each shard holds), so a rank could not read only "
+            f"its stage's shards: it was written by an earlier zorse_lightning; export it with that version "
+            f"(python -m zorse_lightning.apps.export_app) and start from the exported weights"
+        )
     return [
         Holder(directory / name, tuple(contents[name]["state_dict"]), tuple(map(tuple, contents[name]["optimizers"])))
         for name in names
