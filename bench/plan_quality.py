@@ -35,7 +35,9 @@ started from, both priced; ``ilp`` sums them up (see :func:`ilp_summary`).
 The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
 "missing_plans", "median_ratio_to_bound", "median_stages_per_plan",
 "median_idle_gpus_per_plan", "interleaved_plans", "ilp", "per_case": [...], "allow_idle_ranks",
-"skipped"}`` (each case also gives its plan's stages, idle GPUs, sharding per stage and
+"skipped"}`` (each case also gives its plan's ``simulated_ms`` (the prediction, the simulation of the
+engine's programs; None where the closed form predicts it) and ``closed_form_ms`` (the closed form the
+search screens candidates with), and its plan's stages, idle GPUs, sharding per stage and
 interleaving degree with the planner's note on it: how the plan is shaped, beside how
 fast it is, and its own ``ilp``; ``interleaved_plans``: plans per degree, 1 plain).
 ``--no-interleaving`` plans with ``max_interleave=1`` (never interleaved); by default
@@ -102,6 +104,10 @@ class Case:
     """The plan's chunks per group of ranks (None: no plan)."""
     interleave_note: str = ""
     """The planner's note on interleaving (the degree and gain, or why not)."""
+    closed_form_ms: float | None = None
+    """The plan in the cost model's closed form, which the search screens candidates with."""
+    simulated_ms: float | None = None
+    """The plan in the simulation of the engine's programs (None: predicted by the closed form, see its note)."""
 
     @property
     def ratio_to_bound(self) -> float | None:
@@ -145,6 +151,8 @@ class Case:
             "sharding": self.sharding,
             "interleave": self.interleave,
             "interleave_note": self.interleave_note,
+            "closed_form_ms": self.closed_form_ms,
+            "simulated_ms": self.simulated_ms,
             "ilp": ilp_summary(list(self.programs)) | {"plan_from_program": self.from_program},
         }
 
@@ -226,6 +234,8 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "from_program": not plan.solver.status.startswith(("no program beat", EVEN_SPLIT.status)),
         "interleave": plan.interleave,
         "interleave_note": next((n for n in plan.notes if "interleaved" in n), ""),
+        "closed_form_ms": plan.predicted.closed_form_ms or plan.predicted.iteration_ms,
+        "simulated_ms": plan.predicted.iteration_ms if plan.predicted.closed_form_ms is not None else None,
     }
     bound = compute_bound_ms(inventory, profile, batch, microbatch_sizes_of(batch, inventory.world_size, options))
     return Case(
@@ -241,7 +251,7 @@ def _ms(value: float | None) -> str:
 def case_table(cases: list[Case], title: str) -> Table:
     baseline_names = list(cases[0].baselines_ms) if cases else []
     table = Table(title=title)
-    columns = ("cluster", "model", "batch", "plan ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "interleave", "sharding")
+    columns = ("cluster", "model", "batch", "plan ms", "closed form ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "interleave", "sharding")
     for column in columns:
         table.add_column(column, justify="left" if column in ("cluster", "model") else "right")
     for case in cases:
@@ -252,6 +262,7 @@ def case_table(cases: list[Case], title: str) -> Table:
             case.model,
             str(case.global_batch_size),
             _ms(case.plan_ms) + mark,
+            _ms(case.closed_form_ms),
             *(_ms(case.baselines_ms[n]) for n in baseline_names),
             _ms(case.bound_ms),
             "-" if ratio is None else f"{ratio:.2f}",

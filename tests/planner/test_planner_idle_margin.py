@@ -21,7 +21,7 @@ IDLE = hand_plan([((0, 1), (2, 2), (0, 4))], idle_ranks=(2, 3))
 
 
 def test_an_idle_plan_within_the_margin_loses_to_one_using_every_gpu():
-    choice = Choice()
+    choice = Choice(ctx=None)  # nothing simulated: settle() is not called
     choice.offer(_priced(EVERY, 100.0))
     choice.offer(_priced(IDLE, 100.0 * (1 - IDLE_MARGIN / 2)))
     assert choice.chosen.idle_ranks == ()
@@ -32,7 +32,7 @@ def test_an_idle_plan_within_the_margin_loses_to_one_using_every_gpu():
 
 
 def test_an_idle_plan_past_the_margin_wins_and_says_by_how_much():
-    choice = Choice()
+    choice = Choice(ctx=None)  # nothing simulated: settle() is not called
     choice.offer(_priced(IDLE, 90.0))
     choice.offer(_priced(EVERY, 100.0))
     assert choice.chosen.idle_ranks == (2, 3)

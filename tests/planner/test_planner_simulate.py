@@ -21,7 +21,7 @@ import pytest
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.planner import CostContext, EventKind, Plan, StagePlan, make_plan, plan_cost, simulate
+from zorse_lightning.planner import CostContext, EventKind, Plan, StagePlan, PlannerOptions, make_plan, plan_cost, simulate
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 
 from test_planner_fixtures import profile_for
@@ -111,7 +111,7 @@ def _check_schedule_rules(plan: Plan, timeline) -> None:
 def test_planned_timelines_follow_the_schedule(name: str) -> None:
     inventory = load_cluster(name)
     profile = profile_for(inventory)
-    plan = make_plan(inventory, profile, 64)
+    plan = make_plan(inventory, profile, 64, PlannerOptions(max_interleave=1))  # the rules of plain programs
     ctx = CostContext.build(inventory, profile)
     timeline = simulate(ctx, plan)
     _check_schedule_rules(plan, timeline)

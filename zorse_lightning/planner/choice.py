@@ -80,7 +80,8 @@ def _ms(plan: Plan) -> float:
 class Choice:
     """The search's plans so far, the fastest overall and the fastest using every GPU among them."""
 
-    ctx: CostContext
+    ctx: CostContext | None
+    """None: plans offered are compared as priced (tests of the margin), never simulated."""
     pool: list[Plan] = field(default_factory=list)
     """Every fitting plan offered, in its latest prediction (closed form, or simulated)."""
     fastest: Plan | None = None
