@@ -1,5 +1,5 @@
 """The planner's entry point: enumerate the outer choices, solve the most promising with
-the integer program, price every plan in the cost model, keep the fastest.
+the integer program, price every plan in the cost model, keep the fastest in the simulation.
 
 Candidates: stage layout and order (:mod:`.grouping`, and, where allowed, layouts
 that leave the slowest GPU types idle), microbatch size and schedule. Two phases:
@@ -24,6 +24,16 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
    traffic), for the one-stage layouts whose bound is below the best plan: they win
    where nothing else fits, or where what fits otherwise is slower still
    (:func:`_gathered_per_microbatch`).
+
+4. Every baseline the planner prints (:mod:`.baseline_plans`: data parallel, Cephalo, the proportional
+   heuristic, and the fastest GPU type alone, planned on its sub-cluster) is offered as a candidate, so
+   no plan is slower than a baseline by construction.
+
+The candidates are priced in the closed form, which needs no programs; the plan is predicted, and the
+candidates that could be chosen are ranked, by the simulation of the engine's programs
+(:mod:`.choice`: the plan held is simulated before it prunes anything, and the plans within 2x of it in
+the closed form are simulated while a budget allows). The note says by how much the two disagree on
+the plan, and how many plans were simulated.
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
 smaller (see :mod:`.cost.compute`).
