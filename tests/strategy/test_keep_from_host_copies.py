@@ -295,3 +295,16 @@ def test_on_a_gpu_the_copy_overlaps_and_the_next_optimizer_step_waits_for_it(tmp
     assert keeper.newest_step == 1
     kept = _load(keeper.keep(tmp_path, 0, module, [optimizer]))
     _assert_same({"state_dict": kept["state_dict"], "optimizers": kept["optimizers"]}, expected)
+
+
+class _Settings:
+    """A callback's state as an object: not loadable with ``weights_only=True``."""
+
+
+def test_a_snapshot_a_relaunch_could_not_read_is_refused_at_the_first_snapshot():
+    """Would catch a survivor's file that the relaunch (``weights_only=True``) refuses, found only after a loss."""
+    from zorse_lightning.engine.checkpoint.files import NotWeightsOnlyError
+
+    module, optimizer = _trained()
+    with pytest.raises(NotWeightsOnlyError, match=r"survivor snapshot .*plain containers.*RecoveryPolicy\(enabled=False\)"):
+        SurvivorKeeper().snapshot(1, {"callbacks": {"mine": _Settings()}}, module, [optimizer])

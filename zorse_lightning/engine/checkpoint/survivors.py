@@ -45,6 +45,7 @@ import io
 import json
 import math
 import os
+import pickle
 import sys
 import threading
 import time
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zorse_lightning.engine.checkpoint.files import WEIGHTS_ONLY_RULE, NotWeightsOnlyError
 from zorse_lightning.engine.checkpoint.shards import held_module_state, held_optimizer_state
 from zorse_lightning.engine.checkpoint.host_copies import CopyDone, HostCopy, copy_to_host, held_on_device, lives_off_host
 from zorse_lightning.errors import ZorseUserError
@@ -150,6 +152,20 @@ def _deserialized(common: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(common), map_location="cpu", weights_only=True)
 
 
+def _checked_plain(common: bytes) -> None:
+    """Refuse ``common`` unless a relaunch can read it with ``weights_only=True``: checked at the first snapshot,
+    while the run can still be fixed, not when a rank is lost."""
+    try:
+        _deserialized(common)
+    except pickle.UnpicklingError as error:
+        raise NotWeightsOnlyError(
+            f"a survivor snapshot of Lightning's checkpoint is refused ({str(error).splitlines()[-1]}): "
+            f"{WEIGHTS_ONLY_RULE}: keep hyper-parameters, callback and data-module state plain (convert dataclasses "
+            f"with dataclasses.asdict, enums to their values, numpy arrays to tensors), or turn snapshots off with "
+            f"RecoveryPolicy(enabled=False)"
+        ) from None
+
+
 def _tensors(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     held = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and holds_values(t)]
     for optimizer in optimizers:
@@ -237,15 +253,18 @@ class SurvivorKeeper:
             self._pending.done.wait()
             self._publish_pending()
         tensors = _tensors(module, optimizers)
+        serialized = _serialized(common)
+        if self._snapshot is None and self._pending is None:
+            _checked_plain(serialized)
         if not self.copies(module, optimizers):
-            self._snapshot = _Snapshot(step, _serialized(common), _versions(tensors), None)
+            self._snapshot = _Snapshot(step, serialized, _versions(tensors), None)
             self.last_copy_ms = 0.0
             return True
         if self._stream is None and any(t.is_cuda for t in tensors):
             self._stream = torch.cuda.Stream()
         host, done = copy_to_host(held_on_device(module, optimizers), self._spare, self._stream)
         self._spare = None
-        self._pending = _Snapshot(step, _serialized(common), {}, host, done)
+        self._pending = _Snapshot(step, serialized, {}, host, done)
         self._settle()
         return True
 
