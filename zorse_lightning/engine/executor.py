@@ -28,11 +28,12 @@ from zorse_lightning.module.blocks import BlockList, CutError, StageOutput, find
 from zorse_lightning.engine.cutting import StageCut, checkpoint_forward, release_module
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
-from zorse_lightning.engine.p2p import Transport
+from zorse_lightning.engine.p2p import Transport, post_batches
 from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.materialize import InitialValues, place_on_device
-from zorse_lightning.planner.schedule import ActionKind, build_schedule
+from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.planner.schedule import build_schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
 from zorse_lightning.engine.sharding import placeholders, restrict_optimizer
 from zorse_lightning.engine.stage_state import ShardedStage
@@ -282,13 +283,23 @@ class PipelineEngine:
         arm_at = self._arm_points(program) if reduce_in_backward else {}
         if reduce_in_backward:
             self.reduction.prepare_step()
+        schedule = self.schedule if train else self.forward_schedule
+        to_post = schedule.batches[self.groups.rank] if self.is_pipelined else ()
+
+        def gradient_like(message: Message) -> torch.Tensor:
+            return saved[(message.boundary, message.microbatch)][1]
+
+        ran = 0
         for i, action in enumerate(program):
             j = action.microbatch
             if j == EMPTY_ROUND:
                 self._empty_round(action.kind)
-            elif action.kind is ActionKind.FORWARD:
+                continue
+            to_post = post_batches(self.transport, to_post, ran, gradient_like)
+            ran += 1
+            if action.kind is ActionKind.FORWARD:
                 micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
-                received, output = self._forward(action.stage, micro, j, step_fn, train)
+                received, output = self._forward(action, micro, step_fn, train)
                 if action.stage == last:
                     if outputs is not None:
                         outputs[j] = output
@@ -301,8 +312,10 @@ class PipelineEngine:
             else:
                 if i in arm_at:
                     self.reduction.arm(arm_at[i], more=i != min(arm_at))
-                self._backward(action.stage, j, *saved.pop((action.stage, j)))
-        self.transport.wait_sends()
+                self._backward(action, *saved[(action.stage, j)])
+                del saved[(action.stage, j)]
+        post_batches(self.transport, to_post, ran, gradient_like)
+        self.transport.finish()
         if gathered and not train:
             self.sharded.release(self.local_parameters())
         if self.sharded is not None:
@@ -341,44 +354,45 @@ class PipelineEngine:
         else:
             self.sharded.gathering.empty_backward()
 
-    def _forward(self, stage: int, micro: Any, j: int, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
-        """Stage ``stage``'s forward of microbatch ``j`` (one of this rank's stages: several if interleaved)."""
+    def _forward(self, action: Action, micro: Any, step_fn: StepFn, train: bool) -> tuple[torch.Tensor | None, Any]:
+        """Stage ``action.stage``'s forward of its microbatch (one of this rank's stages: several if interleaved)."""
+        stage, j = action.stage, action.microbatch
+        receives, sends = messages_of(self.plan, self.groups.rank, action)
         received = None
         if self.cut is not None:
             self.cut.active = stage
-        if stage > 0:
-            received = self.transport.recv_activation(self.plan.stages[stage - 1].rank_of_microbatch(j))
+        if receives:
+            received = self.transport.take(receives[0])
             received.requires_grad_(train)
             self.cut.incoming = received
         try:
             output = step_fn(micro, j)
         except StageOutput as end:
-            self.transport.send_activation(end.output, self.plan.stages[stage + 1].rank_of_microbatch(j))
+            self.transport.stage(sends[0], end.output)
             return received, end.output
         finally:
             if self.cut is not None:
                 self.cut.incoming = None
-        if stage < len(self.plan.stages) - 1:
+        if sends:
             raise RuntimeError(
                 f"the step of microbatch {j} returned on stage {stage} without reaching the end of "
                 f"its blocks {self.plan.stages[stage].layers}; does the step run the block list?"
             )
         return received, output
 
-    def _backward(self, stage: int, j: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
+    def _backward(self, action: Action, received: torch.Tensor | None, output: torch.Tensor) -> None:
         """Outside autocast, as Lightning's backward is; the step's autocast region stays open around it, so
         its cache of low-precision weights lives for the whole step (nested, it is not cleared here)."""
+        receives, sends = messages_of(self.plan, self.groups.rank, action)
         with torch.autocast(self.device.type, enabled=False):
-            if stage == len(self.plan.stages) - 1:
-                torch.autograd.backward(output)
+            if receives:
+                torch.autograd.backward(output, self.transport.take(receives[0]))
             else:
-                src = self.plan.stages[stage + 1].rank_of_microbatch(j)
-                torch.autograd.backward(output, self.transport.recv_gradient(output, src))
+                torch.autograd.backward(output)
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
-        if received is not None:
-            dst = self.plan.stages[stage - 1].rank_of_microbatch(j)
-            self.transport.send_gradient(received.grad, dst)
+        if sends:
+            self.transport.stage(sends[0], received.grad)
 
     # -- between backward and optimizer step --------------------------------------------
 

@@ -16,52 +16,13 @@ Pure Python: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
 from zorse_lightning.planner.cost.memory import one_f_one_b_warmup
+from zorse_lightning.planner.p2p_batches import P2PBatch, play_rendezvous, rank_batches
 from zorse_lightning.planner.plan import Plan
-
-
-class ActionKind(str, Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-
-
-@dataclass(frozen=True)
-class Action:
-    """One unit of work: forward or backward of one microbatch on one stage."""
-
-    stage: int
-    kind: ActionKind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``"1F3"`` is stage 1, forward, microbatch 3."""
-        for kind in ActionKind:
-            stage, sep, microbatch = text.partition(kind.value)
-            if sep and stage.isdigit() and microbatch.isdigit():
-                return cls(int(stage), kind, int(microbatch))
-        raise ValueError(f"cannot parse action {text!r}; expected <stage><F|B><microbatch>, e.g. '1F3'")
-
-
-@dataclass(frozen=True)
-class Message:
-    """A point-to-point transfer the executor performs around an action."""
-
-    src: int
-    dst: int
-    kind: ActionKind
-    """FORWARD: an activation; BACKWARD: the gradient of one."""
-    microbatch: int
-    boundary: int
-    """The boundary crossed: between stage ``boundary`` and ``boundary + 1`` (interleaved
-    groups send several boundaries' messages over one channel)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +33,8 @@ class PipelineSchedule:
     programs: tuple[tuple[Action, ...], ...]
     grid: tuple[tuple[Action | None, ...], ...]
     """``grid[rank][step]``: the action a rank runs at each unit time step (None: idle)."""
+    batches: tuple[tuple[P2PBatch, ...], ...]
+    """``batches[rank]``: what the rank posts to its peers, in order (:mod:`.p2p_batches`)."""
 
     def for_rank(self, rank: int) -> tuple[Action, ...]:
         return self.programs[rank]
@@ -269,19 +232,6 @@ class _RankPlay:
             self.in_flight.remove(forward)
 
 
-def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
-    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership."""
-    last = len(plan.stages) - 1
-    j, s = action.microbatch, action.stage
-    if action.kind is ActionKind.FORWARD:
-        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j, s - 1)] if s > 0 else []
-        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j, s)] if s < last else []
-    else:
-        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j, s)] if s < last else []
-        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j, s - 1)] if s > 0 else []
-    return recv, send
-
-
 def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action | None, ...], ...]:
     """Run the programs in unit time steps with FIFO channels; raise on deadlock.
 
@@ -347,7 +297,11 @@ def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward
 
 
 def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
-    """The validated schedule of ``plan`` (forward-only for evaluation and prediction)."""
+    """The validated schedule of ``plan`` (forward-only for evaluation and prediction): covered, deadlock-free
+    with unbounded buffers (the unit-step play) and under NCCL's rules (its batches' rendezvous play)."""
     programs = rank_programs(plan, forward_only)
     check_coverage(plan, programs, forward_only)
-    return PipelineSchedule(plan.schedule, programs, play_in_steps(plan, programs))
+    grid = play_in_steps(plan, programs)
+    batches = rank_batches(plan, programs, grid)
+    play_rendezvous(plan, programs, batches)
+    return PipelineSchedule(plan.schedule, programs, grid, batches)

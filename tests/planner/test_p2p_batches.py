@@ -1,0 +1,109 @@
+"""The schedule's point-to-point batches under NCCL's rules, in one process: what the engine posts is what
+the play checks, every plan the planner can emit passes, and the order the engine used to post fails."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from testing.plans import hand_plan
+
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.actions import messages_of
+from zorse_lightning.planner.interleaving import interleave
+from zorse_lightning.planner.p2p_batches import P2PBatch, play_rendezvous
+from zorse_lightning.planner.schedule import build_schedule
+
+
+def per_message_batches(plan, programs) -> list[tuple[P2PBatch, ...]]:
+    """How the engine posted before it kept NCCL's rules: each message alone, a receive just before the
+    action that needs it, a send just after the action that made it."""
+    batches = []
+    for rank, program in enumerate(programs):
+        mine = []
+        for index, action in enumerate(program):
+            receives, sends = messages_of(plan, rank, action)
+            mine += [P2PBatch(index, (), (m,)) for m in receives]
+            mine += [P2PBatch(index + 1, (m,), ()) for m in sends]
+        batches.append(tuple(mine))
+    return batches
+
+
+def test_two_stage_1f1b_posts_each_send_beside_the_receive_of_its_step():
+    plan = hand_plan([((0,), (2,), (0, 1)), ((1,), (2,), (1, 2))])
+    schedule = build_schedule(plan)
+    assert [b.describe(0) for b in schedule.batches[0]] == [
+        "rank 0 [send activation of microbatch 0 (stages 0-1) to rank 1]",
+        "rank 0 [send activation of microbatch 1 (stages 0-1) to rank 1]",
+        "rank 0 [receive gradient of microbatch 0 (stages 0-1) from rank 1]",
+        "rank 0 [receive gradient of microbatch 1 (stages 0-1) from rank 1]",
+    ]
+    # rank 1 takes microbatch 1's activation in the step rank 0 sends it, before it sends gradient 0
+    assert [b.describe(1) for b in schedule.batches[1]][:3] == [
+        "rank 1 [receive activation of microbatch 0 (stages 0-1) from rank 0]",
+        "rank 1 [receive activation of microbatch 1 (stages 0-1) from rank 0]",
+        "rank 1 [send gradient of microbatch 0 (stages 0-1) to rank 0]",
+    ]
+    assert [b.before for b in schedule.batches[1]] == [0, 1, 2, 4]
+
+
+def test_the_old_per_message_order_deadlocks_1f1b_and_not_gpipe():
+    """Today's engine order, played under the rendezvous rules: the issue's two-stage hang, named."""
+    plan = hand_plan([((0,), (2,), (0, 1)), ((1,), (2,), (1, 2))])
+    programs = build_schedule(plan).programs
+    with pytest.raises(PlanningError) as raised:
+        play_rendezvous(plan, programs, per_message_batches(plan, programs))
+    assert "rank 0, after 2 of its 4 actions, waits to send activation of microbatch 1 (stages 0-1) to rank 1" in str(raised.value)
+    assert "rank 1, after 2 of its 4 actions, waits to send gradient of microbatch 0 (stages 0-1) to rank 0" in str(raised.value)
+    gpipe = hand_plan([((0,), (2,), (0, 1)), ((1,), (2,), (1, 2))], schedule=Schedule.GPIPE)
+    programs = build_schedule(gpipe).programs
+    play_rendezvous(gpipe, programs, per_message_batches(gpipe, programs))
+
+
+def test_a_batch_missing_a_receive_is_refused():
+    plan = hand_plan([((0,), (2,), (0, 1)), ((1,), (2,), (1, 2))])
+    schedule = build_schedule(plan)
+    broken = [schedule.batches[0], schedule.batches[1][1:]]
+    with pytest.raises(PlanningError, match="rank 1's batches never receive activation of microbatch 0"):
+        play_rendezvous(plan, schedule.programs, broken)
+
+
+def _random_plan(rng: random.Random):
+    """Widths 1-4, uneven shares (some ranks without any), idle ranks, 1-5 stages, GPipe or 1F1B, interleaving
+    1-4."""
+    world = rng.randint(2, 10)
+    ranks = rng.sample(range(world), world)
+    idle = tuple(ranks[: rng.randint(0, 1)]) if world > 2 else ()
+    working = ranks[len(idle) :]
+    cuts = sorted(rng.sample(range(1, len(working)), rng.randint(0, min(4, len(working) - 1))))
+    groups = [working[a:b] for a, b in zip([0, *cuts], [*cuts, len(working)])]
+    microbatches = rng.randint(1, 16)
+    stages = []
+    for index, group in enumerate(groups):
+        counts = [0] * len(group)
+        for _ in range(microbatches):
+            counts[rng.randrange(len(group))] += 1
+        stages.append((tuple(group), tuple(counts), (index * 4, index * 4 + 4)))
+    schedule = rng.choice([Schedule.ONE_F_ONE_B, Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+    plan = hand_plan(stages, schedule=schedule, idle_ranks=idle)
+    degree = rng.choice([1, 2, 3, 4])
+    return interleave(plan, degree) if degree > 1 and len(groups) > 1 else plan
+
+
+def test_no_random_plan_deadlocks_under_nccl_rules_and_the_old_order_does():
+    """200 random plans: every schedule (training and forward-only) passes the rendezvous play (build_schedule
+    plays it); posting each message alone, as the engine did, hangs a large share of them."""
+    rng = random.Random(29)
+    old_order_hangs, kinds = 0, set()
+    for _ in range(200):
+        plan = _random_plan(rng)
+        kinds.add((plan.schedule, plan.interleave > 1, len(plan.rank_groups) >= 3))
+        schedule = build_schedule(plan)
+        build_schedule(plan, forward_only=True)
+        try:
+            play_rendezvous(plan, schedule.programs, per_message_batches(plan, schedule.programs))
+        except PlanningError:
+            old_order_hangs += 1
+    assert {(Schedule.ONE_F_ONE_B, True, True), (Schedule.GPIPE, False, True), (Schedule.ONE_F_ONE_B, False, False)} <= kinds
+    assert old_order_hangs >= 40

@@ -1,0 +1,143 @@
+"""NCCL's point-to-point rules kept on gloo, so that a CPU run fails where a GPU cluster would hang.
+
+On gloo a send returns at once, whatever the receiver does. On NCCL a rank's
+batches run one at a time on its stream, and a send completes only together
+with the peer's matching receive. ``ZORSE_P2P_RULES=nccl`` makes every gloo
+run keep those rules: a worker thread per rank plays the stream (it takes the
+rank's batches in posting order, one at a time), and each receive it posts is
+announced to the sender by a small acknowledgement on a tag of its own; a batch
+completes when its receives have arrived and every one of its sends has been
+acknowledged. A batch that waits longer than ``ZORSE_P2P_RULES_TIMEOUT_S``
+(default 60 s) raises :class:`P2PRulesError`, naming the rank, the batch and
+the messages no peer met. On NCCL the rules are the real ones, and nothing is
+emulated.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zorse_lightning.planner.actions import Message
+from zorse_lightning.planner.p2p_batches import P2PBatch, describe_message
+
+RULES_ENV = "ZORSE_P2P_RULES"
+TIMEOUT_ENV = "ZORSE_P2P_RULES_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+DATA_TAG = 2
+ACK_TAG = 3
+"""Tags of their own: the worker's messages never match the headers or collectives of the main thread."""
+
+
+class P2PRulesError(RuntimeError):
+    """A batch that would wait forever under NCCL's rules."""
+
+
+def rules_from_environment() -> bool:
+    """Whether this gloo run keeps NCCL's rules (``ZORSE_P2P_RULES=nccl``); on NCCL they hold anyway."""
+    value = os.environ.get(RULES_ENV, "").strip().lower()
+    if value not in ("", "gloo", "nccl"):
+        raise ValueError(
+            f"{RULES_ENV}={os.environ[RULES_ENV]!r} is not a rule set; use 'nccl' (gloo runs keep NCCL's "
+            f"point-to-point rules) or leave it unset (gloo's own)"
+        )
+    return value == "nccl" and dist.get_backend() == "gloo"
+
+
+def _timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        timeout_s = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        timeout_s = -1.0
+    if timeout_s <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S})")
+    return timeout_s
+
+
+@dataclass
+class _Posted:
+    batch: P2PBatch
+    sends: Sequence[tuple[Message, torch.Tensor]]
+    receives: Sequence[tuple[Message, torch.Tensor]]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class RendezvousStream:
+    """One rank's stream under NCCL's rules: batches run one at a time, in posting order, on a worker thread."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.timeout_s = _timeout_s()
+        self._queue: queue.Queue[_Posted] = queue.Queue()
+        self._failed: BaseException | None = None
+        threading.Thread(target=self._run, name=f"zorse-p2p-rules-{self.rank}", daemon=True).start()
+
+    def post(
+        self, batch: P2PBatch, sends: Sequence[tuple[Message, torch.Tensor]], receives: Sequence[tuple[Message, torch.Tensor]]
+    ) -> Callable[[], None]:
+        """Queue ``batch`` behind those posted before; returns a wait that raises the batch's error, if any."""
+        posted = _Posted(batch, sends, receives)
+        self._queue.put(posted)
+
+        def wait() -> None:
+            posted.done.wait()
+            if posted.error is not None:
+                raise posted.error
+
+        return wait
+
+    def _run(self) -> None:
+        while True:
+            posted = self._queue.get()
+            try:
+                if self._failed is not None:
+                    raise P2PRulesError(f"rank {self.rank}: an earlier batch failed: {self._failed}")
+                self._rendezvous(posted)
+            except BaseException as error:  # handed to the waiting host, never lost in the thread
+                self._failed = self._failed or error
+                posted.error = error
+            posted.done.set()
+
+    def _rendezvous(self, posted: _Posted) -> None:
+        waits: list[tuple[Message | None, dist.Work]] = []
+        keep = []
+        for message, tensor in posted.receives:
+            token = torch.ones(1)
+            keep.append(token)
+            waits.append((message, dist.irecv(tensor, message.src, tag=DATA_TAG)))
+            waits.append((None, dist.isend(token, message.src, tag=ACK_TAG)))  # "my receive is posted"
+        for message, tensor in posted.sends:
+            acknowledgement = torch.empty(1)
+            keep.append(acknowledgement)
+            waits.append((None, dist.isend(tensor, message.dst, tag=DATA_TAG)))
+            waits.append((message, dist.irecv(acknowledgement, message.dst, tag=ACK_TAG)))  # the receiver's notice
+        deadline = time.monotonic() + self.timeout_s
+        for index, (_, work) in enumerate(waits):
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as error:
+                unmet = [m for m, w in waits[index:] if m is not None and not w.is_completed()]
+                raise P2PRulesError(self._describe(posted.batch, unmet)) from error
+
+    def _describe(self, batch: P2PBatch, unmet: list[Message]) -> str:
+        waits = "; ".join(
+            f"its send of the {describe_message(m)} to rank {m.dst}: rank {m.dst} has not posted the matching receive"
+            if m.src == self.rank
+            else f"its receive of the {describe_message(m)} from rank {m.src}: rank {m.src} has not posted the send"
+            for m in unmet
+        )
+        return (
+            f"under NCCL's point-to-point rules this run would hang: {batch.describe(self.rank)} waited "
+            f"{self.timeout_s:g} s for {waits}. A send completes only together with its peer's matching receive, "
+            f"and a rank's batches run in order; the schedule's batches (planner.p2p_batches) keep these rules"
+        )

@@ -1,0 +1,66 @@
+"""The vocabulary of schedules: actions (a forward or backward of one microbatch on one stage) and the
+messages between ranks around them, routed by which rank of each stage owns a microbatch.
+
+Pure Python: no torch. :mod:`.schedule` orders actions into programs; :mod:`.p2p_batches` groups their
+messages into what the engine posts together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from zorse_lightning.planner.plan import Plan
+
+
+class ActionKind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work: forward or backward of one microbatch on one stage."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``"1F3"`` is stage 1, forward, microbatch 3."""
+        for kind in ActionKind:
+            stage, sep, microbatch = text.partition(kind.value)
+            if sep and stage.isdigit() and microbatch.isdigit():
+                return cls(int(stage), kind, int(microbatch))
+        raise ValueError(f"cannot parse action {text!r}; expected <stage><F|B><microbatch>, e.g. '1F3'")
+
+
+@dataclass(frozen=True)
+class Message:
+    """A point-to-point transfer the executor performs around an action."""
+
+    src: int
+    dst: int
+    kind: ActionKind
+    """FORWARD: an activation; BACKWARD: the gradient of one."""
+    microbatch: int
+    boundary: int
+    """The boundary crossed: between stage ``boundary`` and ``boundary + 1`` (interleaved
+    groups send several boundaries' messages over one channel)."""
+
+
+def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
+    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership."""
+    last = len(plan.stages) - 1
+    j, s = action.microbatch, action.stage
+    if action.kind is ActionKind.FORWARD:
+        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j, s - 1)] if s > 0 else []
+        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j, s)] if s < last else []
+    else:
+        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j, s)] if s < last else []
+        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j, s - 1)] if s > 0 else []
+    return recv, send
