@@ -4,13 +4,15 @@ the checkpoint, and goes on as an uninterrupted run would.
 
 Three launches, each rank a process as torchrun starts them (run as a script, this file is one rank):
 reference (2 ranks, 5 steps, a checkpoint every step), killed (3 ranks, a checkpoint every 2 steps, rank 2
-SIGKILLed in its fourth step), resumed (2 ranks, ``ckpt_path=`` the step-2 checkpoint, to step 5).
+SIGKILLed in its fourth step), resumed (2 ranks, ``ckpt_path=`` the step-2 checkpoint, to step 5), and apart
+(as resumed, but each rank sees only its own survivor's file, as on two machines' local disks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,20 +64,21 @@ def _run_rank(rank: int, world: int, port: int, phase: str, out: Path) -> None:
 
     every = 1 if phase == "reference" else 2
     # Snapshots after every step (the chosen interval may be longer): the rank dies at a known step.
+    kept_in = out / "apart" / f"machine-{rank}" if phase == "apart" else None
     strategy = ZorseStrategy(cluster=inventory, plan=plan, emulate=False,
                              faults=FaultPolicy(timeout_s=3.0, heartbeat_interval_s=0.25),
-                             recovery=RecoveryPolicy(snapshot_every_steps=1))
+                             recovery=RecoveryPolicy(directory=kept_in, snapshot_every_steps=1))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         callbacks=[Probe(), ModelCheckpoint(dirpath=out / phase, filename="{step}", every_n_train_steps=every,
                                             save_top_k=-1)],
     )
-    ckpt = out / "killed" / f"step={KILLED_AT - 1}.ckpt" if phase == "resumed" else None
+    ckpt = out / "killed" / f"step={KILLED_AT - 1}.ckpt" if phase in ("resumed", "apart") else None
     trainer.fit(gpt(), DataLoader(tokens(8 * 6), batch_size=8, shuffle=True), ckpt_path=ckpt)
-    if phase == "resumed" and rank == 0:
+    if phase in ("resumed", "apart") and rank == 0:
         report = strategy.recovery_report
-        (out / "report.json").write_text(json.dumps({
+        (out / f"{phase}-report.json").write_text(json.dumps({
             "step": report.step, "checkpoint_step": report.checkpoint_step, "reason": report.reason,
             "survivor_files": [Path(f).name for f in report.survivor_files],
             "checkpoint_files": list(report.checkpoint_files),
@@ -97,7 +100,13 @@ def _launch(world: int, phase: str, out: Path) -> list[tuple[int, str]]:
 @pytest.fixture(scope="module")
 def recovered(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("recovery")
-    for world, phase in [(2, "reference"), (3, "killed"), (2, "resumed")]:
+    for world, phase in [(2, "reference"), (3, "killed"), (2, "resumed"), (2, "apart")]:
+        if phase == "apart":  # each survivor's file on its own "machine" only
+            for rank in range(2):
+                machine = out / "apart" / f"machine-{rank}" / f"step-{KILLED_AT}"
+                machine.mkdir(parents=True)
+                for suffix in (".pt", ".json"):
+                    shutil.copy(out / "killed" / ".survivors" / f"step-{KILLED_AT}" / f"rank-{rank}{suffix}", machine)
         results = _launch(world, phase, out)
         expect_failure = phase == "killed"
         for rank, (status, stderr) in enumerate(results):
@@ -122,7 +131,7 @@ def test_survivors_keep_their_state_of_the_last_completed_step(recovered):
 def test_relaunch_resumes_from_the_survivors_step_reading_no_checkpoint_shard(recovered):
     import torch
 
-    report = json.loads((recovered / "report.json").read_text())
+    report = json.loads((recovered / "resumed-report.json").read_text())
     assert report["step"] == KILLED_AT and report["checkpoint_step"] == KILLED_AT - 1
     assert sorted(report["survivor_files"]) == ["rank-0.pt", "rank-1.pt"]
     assert report["checkpoint_files"] == []
@@ -134,6 +143,26 @@ def test_relaunch_resumes_from_the_survivors_step_reading_no_checkpoint_shard(re
         for name, value in start["held"].items():
             assert (value - reference_at[name]).abs().max().item() < 1e-5, name
         assert max((v - checkpoint[n]).abs().max().item() for n, v in start["held"].items()) > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_survivors_files_on_other_machines_reach_the_ranks_that_need_them(recovered):
+    """Would catch a relaunch that cannot read a survivor's file it does not see (another machine's local disk),
+    or one that ships it through the default group: each rank received the other's file over gloo (both
+    hold names outside the blocks, which the cut places) and starts at the survivors' step."""
+    import torch
+
+    report = json.loads((recovered / "apart-report.json").read_text())
+    assert report["step"] == KILLED_AT and report["checkpoint_files"] == []
+    for rank in range(2):
+        other = 1 - rank
+        received = recovered / "apart" / f"machine-{rank}" / ".received" / f"rank-{rank}" / f"step-{KILLED_AT}"
+        assert [p.name for p in received.iterdir()] == [f"rank-{other}.pt"]
+    reference_at = _export(recovered / "reference" / f"step={KILLED_AT}.ckpt")
+    for rank in range(2):
+        start = torch.load(recovered / f"apart-start-{rank}.pt")
+        assert start["step"] == KILLED_AT
+        assert max((v - reference_at[n]).abs().max().item() for n, v in start["held"].items()) < 1e-5
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,7 @@ from typing import Any
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
+from zorse_lightning.engine.checkpoint.relaunch import RemoteFiles
 from zorse_lightning.engine.checkpoint.survivors import RecoveryReport, SurvivorKeeper
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.faults import SigtermKeeper, Watchdog
@@ -37,6 +38,8 @@ class ResumeState:
     """Applied once the optimizers are restricted to this rank's weights."""
     pending_module_state: Mapping[str, Any] | None = None
     """A checkpoint's weights for a module built on the meta device: read into the stage as it is placed."""
+    remote_files: RemoteFiles | None = None
+    """Survivors' files some ranks cannot see: sent to the ranks that need them once the plan is known."""
 
     def train_loader(self, sampler: PlanBatchSampler) -> None:
         """A new training loader continues at the position (a reload, at an epoch start, too)."""

@@ -55,7 +55,7 @@ from zorse_lightning.engine.host_group import host_group
 from zorse_lightning.engine.checkpoint.by_name import ByName
 from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
-from zorse_lightning.module.blocks import CutError, find_block_list
+from zorse_lightning.module.blocks import CutError, find_block_list, find_block_list_or_none
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
 from zorse_lightning.module.stage_weights import WeightSource
 from zorse_lightning.planner.options import PlannerOptions
@@ -365,6 +365,12 @@ class ZorseStrategy(ParallelStrategy):
         if self._state.precision_choice is not None and self._state.precision_choice.note not in plan.notes:
             plan = Plan.from_dict({**plan.to_dict(), "notes": [*plan.notes, self._state.precision_choice.note]})
         self._state.plan = plan
+        remote = self._state.resume.remote_files
+        if remote is not None:  # survivors' files kept on other machines: only to the ranks whose stage needs them
+            blocks = find_block_list_or_none(self.lightning_module, self.block_path)
+            relaunch.fetch(remote, relaunch.stage_may_hold(plan, self.global_rank, blocks), self.global_rank,
+                           self._host_gather, self._state.host_group)
+            self._state.resume.remote_files = None
         groups = build_groups(plan, self.global_rank, self._timeout)
         self._state.log_mergers = {}
         environment = self.cluster_environment
@@ -680,7 +686,7 @@ class ZorseStrategy(ParallelStrategy):
         if self.world_size > 1 and self._state.host_group is None:  # files and verdicts go over gloo
             self._state.host_group = host_group(self._timeout, self.cluster_environment.main_address)
         if self._recovery.enabled:
-            checkpoint, report = relaunch.load(
+            checkpoint, report, self._state.resume.remote_files = relaunch.load(
                 checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size,
                 self._host_gather, self._state.host_group,
             )

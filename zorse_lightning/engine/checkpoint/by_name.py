@@ -29,11 +29,17 @@ class OpenedFiles:
 
     def __init__(self) -> None:
         self._opened: dict[Path, Any] = {}
+        self._moved: dict[Path, Path] = {}
 
     def get(self, path: Path) -> Any:
+        path = self._moved.get(path, path)
         if path not in self._opened:
             self._opened[path] = open_file(path)
         return self._opened[path]
+
+    def relocate(self, moved: dict[Path, Path]) -> None:
+        """Read each file named in ``moved`` from its new place (a local copy of another machine's file)."""
+        self._moved.update(moved)
 
     @property
     def opened(self) -> list[Path]:

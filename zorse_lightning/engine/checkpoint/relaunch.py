@@ -12,7 +12,9 @@ rank opens only the files holding its stage's tensors, memory-mapped. A
 survivor's file lies on its own machine's disk; a rank that cannot see it gets
 it over the host (gloo) group, never staged on a GPU, chunk by chunk into its
 own survivors' directory (:func:`send_files`), and reads it from there the same
-way; ranks that see the file get nothing.
+way. Which ranks need a file is known only once the plan is (:func:`fetch`,
+called by the strategy as the plan is set): a file goes only to the ranks that
+cannot see it and whose stage may hold one of its names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ from zorse_lightning.engine.checkpoint.files import COMMON, Gather, read_manifes
 from zorse_lightning.engine.checkpoint.shards import Holder, all_gather, assembled, checkpoint_holders
 from zorse_lightning.engine.checkpoint.shards import load as load_checkpoint
 from zorse_lightning.engine.checkpoint.survivors import KeptIndex, RecoveryPolicy, RecoveryReport, survivors_directory
+from zorse_lightning.module.blocks import BlockList
+from zorse_lightning.planner.plan import Plan
 
 
 def _kept_here(directory: Path) -> list[KeptIndex]:
@@ -118,18 +124,63 @@ def _receive(target: Path, provider: int, group: Any) -> Path:
     return target
 
 
-def _local_paths(chosen: list[KeptIndex], seen: set[str], rank: int, into: Path, gather: Gather,
-                 group: Any) -> dict[str, Path]:
-    """Where this rank reads each chosen survivor's file: where it lies, or where it was received (collective)."""
+@dataclass(frozen=True)
+class RemoteFiles:
+    """Survivors' files that some ranks cannot see, sent (:func:`fetch`) once the plan says which of those ranks'
+    stages hold names in them: at the resume's reading no rank knows its stage yet."""
+
+    needs: tuple[tuple[str, int, int], ...]
+    """``(path, provider, receiver)`` for every rank that cannot see the file, in one order every rank agrees on."""
+    kept: tuple[KeptIndex, ...]
+    """What each of the files holds."""
+    into: Path
+    """Where this rank writes what it receives."""
+    files: OpenedFiles
+    """The checkpoint's files, told where the received ones lie."""
+
+
+def _remote_files(chosen: list[KeptIndex], seen: set[str], into: Path, files: OpenedFiles,
+                  gather: Gather) -> RemoteFiles | None:
+    """The chosen survivors' files that some rank cannot see (collective; None, alike everywhere, when none)."""
     everywhere = [set(s) for s in gather(sorted(seen))]
-    needs = [
+    needs = tuple(
         (k.path, min(r for r, s in enumerate(everywhere) if k.path in s), receiver)
         for k in sorted(chosen, key=lambda k: k.path)
         for receiver, s in enumerate(everywhere) if k.path not in s
-    ]
-    local = {k.path: Path(k.path) for k in chosen if k.path in seen}
-    local.update(send_files(needs, rank, into, group))
-    return local
+    )
+    return RemoteFiles(needs, tuple(chosen), into, files) if needs else None
+
+
+def stage_may_hold(plan: Plan, rank: int, blocks: BlockList | None) -> Callable[[str], bool]:
+    """Whether this rank's stage (in ``plan``) may hold the state-dict entry ``name``: every name but another
+    stage's blocks' (entries outside the block list are placed by the cut; an idle rank holds nothing)."""
+    if rank in plan.idle_ranks:
+        return lambda name: False
+    if blocks is None or len(plan.stages) == 1:
+        return lambda name: True
+    mine = {layer for stage in plan.stages_of_rank(rank) for layer in range(*plan.stages[stage].layers)}
+    prefix = f"{blocks.path}."
+
+    def may_hold(name: str) -> bool:
+        if not name.startswith(prefix):
+            return True
+        index = name[len(prefix):].split(".", 1)[0]
+        return not index.isdigit() or int(index) in mine
+
+    return may_hold
+
+
+def fetch(remote: RemoteFiles, may_hold: Callable[[str], bool], rank: int, gather: Gather, group: Any = None) -> None:
+    """Send each file of ``remote`` only to the ranks that cannot see it and whose stage may hold one of its
+    names (``may_hold``: :func:`stage_may_hold`); this rank reads what it received from its own directory
+    (collective over the host group, once the plan is known)."""
+    lacking = {path for path, _, receiver in remote.needs if receiver == rank}
+    mine = sorted(k.path for k in remote.kept if k.path in lacking
+                  and any(may_hold(n) for n in (*k.entries, *(n for names in k.stepped for n in names))))
+    asked = [set(paths) for paths in gather(mine)]
+    needs = [(path, provider, receiver) for path, provider, receiver in remote.needs if path in asked[receiver]]
+    received = send_files(needs, rank, remote.into, group)
+    remote.files.relocate({Path(path): local for path, local in received.items()})
 
 
 def _shards_needed(manifest: dict[str, Any], entries: set[str], stepped: set[str]) -> list[str]:
@@ -144,12 +195,26 @@ def _shards_needed(manifest: dict[str, Any], entries: set[str], stepped: set[str
     return needed
 
 
+def _common_of(chosen: list[KeptIndex], seen: set[str], rank: int, files: OpenedFiles, gather: Gather,
+               group: Any) -> dict[str, Any]:
+    """Lightning's checkpoint without its tensors, as the survivors kept it (alike in every file of a step):
+    read by the lowest rank that sees one of the files and broadcast over the host group (a few kilobytes)."""
+    mine = [k.path for k in chosen if k.path in seen]
+    seeing = gather(bool(mine))
+    holder = min(r for r, sees in enumerate(seeing) if sees)
+    box = [files.get(Path(mine[0]))["common"] if rank == holder else None]
+    if len(seeing) > 1:
+        dist.broadcast_object_list(box, holder, group=group)
+    return box[0]
+
+
 def load(
     path: str | Path, policy: RecoveryPolicy, module: nn.Module, rank: int, world_size: int,
     gather: Gather = all_gather, group: Any = None,
-) -> tuple[dict[str, Any], RecoveryReport]:
+) -> tuple[dict[str, Any], RecoveryReport, RemoteFiles | None]:
     """Lightning's checkpoint dictionary for resuming from ``path``, built from survivors' state first, its
-    tensors read only when asked for (collective; ``gather`` and ``group`` over the host group)."""
+    tensors read only when asked for (collective; ``gather`` and ``group`` over the host group), and the
+    survivors' files some ranks cannot see: :func:`fetch` sends them once the plan is known."""
     directory, manifest = read_manifest(path)
     verify_files(directory, manifest, [COMMON], rank, world_size, gather)
     files = OpenedFiles()
@@ -163,9 +228,9 @@ def load(
     if not chosen:
         message = f"zorse: resuming from the checkpoint {directory} at step {step} ({reason})"
         report = RecoveryReport(step, checkpoint_step, (), tuple(sorted(manifest["files"])), reason, message)
-        return load_checkpoint(path, rank, world_size, gather), report
-    local = _local_paths(chosen, {k.path for k in listed}, rank, kept_in / RECEIVED_DIR / f"rank-{rank}", gather, group)
-    kept = [Holder(local[k.path], k.entries, k.stepped) for k in chosen]
+        return load_checkpoint(path, rank, world_size, gather), report, None
+    remote = _remote_files(chosen, {k.path for k in listed}, kept_in / RECEIVED_DIR / f"rank-{rank}", files, gather)
+    kept = [Holder(Path(k.path), k.entries, k.stepped) for k in chosen]
     listed_shards: list[str] = []
     if step == checkpoint_step:
         have = {e for k in chosen for e in k.entries}
@@ -175,9 +240,9 @@ def load(
         checkpoint = common
     else:
         holders = kept
-        checkpoint = copy.deepcopy(files.get(kept[0].path)["common"])
+        checkpoint = copy.deepcopy(_common_of(chosen, {k.path for k in listed}, rank, files, gather, group))
     checkpoint = assembled(checkpoint, holders, files, f"the survivors' files of step {step}")
     message = (f"zorse: resuming from step {step}: {len(chosen)} survivors' files and {len(listed_shards)} shards of "
                f"the checkpoint {directory} ({reason})")
     report = RecoveryReport(step, checkpoint_step, tuple(k.path for k in chosen), tuple(listed_shards), reason, message)
-    return checkpoint, report
+    return checkpoint, report, remote
