@@ -15,6 +15,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from zorse_lightning.capabilities import Schedule
@@ -134,36 +135,30 @@ def _one_f_one_b_programs(
 
     Returns the programs and the play's length in unit steps.
     """
+    last_stage = len(plan.stages) - 1
     state = {}
     for group, stage in enumerate(plan.rank_groups):
         chunks = plan.stages_of_group(group)
         for rank, share in stage.microbatch_ranges().items():
             mine = [j for j in order if j in share]
-            state[rank] = _RankPlay(chunks, mine, plan.num_groups, one_f_one_b_limit(plan, group))
-    channels: dict[tuple[int, int], list[Message]] = {}
+            state[rank] = _RankPlay(chunks, mine, plan.num_groups, one_f_one_b_limit(plan, group), last_stage)
+    channels: dict[tuple[int, int], deque[Message]] = {}
+    left = 2 * sum(len(play.pending) for play in state.values())
+    """Actions still to run: each forward pending, and its backward."""
 
-    def ready(rank: int, action: Action) -> bool:
-        receives, _ = messages_of(plan, rank, action)
-        return all(channels.get((m.src, m.dst), [None])[:1] == [m] for m in receives)
-
-    def first_ready(rank: int, candidates: list[Action]) -> Action | None:
-        return next((action for action in candidates if ready(rank, action)), None)
-
-    def choose(rank: int, play: _RankPlay, relaxed: bool) -> Action | None:
-        backwards, forwards = play.backwards(), play.forwards()
-        if strict and not relaxed:
-            backwards, forwards = backwards[:1], forwards[:1]
-        backward, forward = first_ready(rank, backwards), first_ready(rank, forwards)
+    def choose(play: _RankPlay, relaxed: bool) -> Action | None:
+        in_order = strict and not relaxed
+        backward, forward = play.ready_backward(in_order), play.ready_forward(in_order)
         if forward is not None and (len(play.in_flight) < play.limit or (relaxed and backward is None)):
             return forward
         return backward
 
     steps = 0
-    while any(play.pending or play.in_flight for play in state.values()):
+    while left:
         steps += 1
-        chosen = {rank: choose(rank, play, relaxed=False) for rank, play in state.items()}
+        chosen = {rank: choose(play, relaxed=False) for rank, play in state.items()}
         if all(action is None for action in chosen.values()):
-            chosen = {rank: choose(rank, play, relaxed=True) for rank, play in state.items()}
+            chosen = {rank: choose(play, relaxed=True) for rank, play in state.items()}
         if all(action is None for action in chosen.values()):
             raise PlanningError("no 1F1B order exists for this plan; use schedule=gpipe")
         sends: list[Message] = []
@@ -171,18 +166,29 @@ def _one_f_one_b_programs(
             if action is not None:
                 receives, out = messages_of(plan, rank, action)
                 for message in receives:
-                    channels[(message.src, message.dst)].pop(0)
+                    channel = channels[(message.src, message.dst)]
+                    channel.popleft()
+                    if channel:
+                        state[rank].arrive(channel[0])
                 sends += out
                 state[rank].run(action)
+                left -= 1
         for message in sends:
-            channels.setdefault((message.src, message.dst), []).append(message)
+            channel = channels.setdefault((message.src, message.dst), deque())
+            channel.append(message)
+            if len(channel) == 1:
+                state[message.dst].arrive(message)
     programs = tuple(tuple(state[rank].program) if rank in state else () for rank in range(plan.world_size))  # idle: ()
     return programs, steps
 
 
 @dataclass
 class _RankPlay:
-    """One rank's progress during :func:`_one_f_one_b_programs` (local to it)."""
+    """One rank's progress during :func:`_one_f_one_b_programs` (local to it).
+
+    Which of its actions are ready is kept as the play goes (:attr:`arrived`, fed by the heads of
+    its channels): looking for a ready forward among every pending one, each step, made recording
+    quadratic in the microbatches."""
 
     chunks: tuple[int, ...]
     """The rank's stages, in layer order."""
@@ -191,10 +197,18 @@ class _RankPlay:
     round_size: int
     """Microbatches per interleaving round (the number of groups)."""
     limit: int
+    last_stage: int
+    """The plan's last stage, whose backwards need no gradient."""
     pending: list[Action] = field(init=False)
+    """Forwards left, in preference order."""
     _position: dict[int, int] = field(init=False, repr=False)
     """Each microbatch's place in :attr:`microbatches` (the preference key is asked for often)."""
     _chunk: dict[int, int] = field(init=False, repr=False)
+    _first_stage: list[Action] = field(init=False, repr=False)
+    """The forwards of the plan's first stage (none unless the rank runs it), in preference order: they
+    run in that order (they need no input, so only the first of them is ever offered)."""
+    arrived: set[Action] = field(default_factory=set)
+    """Actions whose input (an activation, a gradient) heads its channel."""
     in_flight: list[Action] = field(default_factory=list)
     program: list[Action] = field(default_factory=list)
 
@@ -202,32 +216,58 @@ class _RankPlay:
         self._position = {j: k for k, j in enumerate(self.microbatches)}
         self._chunk = {s: c for c, s in enumerate(self.chunks)}
         self.pending = sorted(
-            (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches),
-            key=lambda action: self._key(action, self._chunk[action.stage]),
+            (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches), key=self._forward_key
         )
+        self._first_stage = [action for action in reversed(self.pending) if action.stage == 0]
 
     def _key(self, action: Action, chunk: int) -> tuple[int, int, int]:
         position = self._position[action.microbatch]
         return position // self.round_size, chunk, position % self.round_size
 
-    def forwards(self) -> list[Action]:
-        """Forwards left, in preference order; the first stage's only in microbatch order (later
-        stages take what has arrived: their shares come from several senders)."""
-        first = next((action for action in self.pending if action.stage == 0), None)
-        return [action for action in self.pending if action.stage != 0 or action is first]
+    def _forward_key(self, action: Action) -> tuple[int, int, int]:
+        return self._key(action, self._chunk[action.stage])
 
-    def backwards(self) -> list[Action]:
-        """Backwards of the forwards in flight, in preference order (the last chunk first)."""
-        last = len(self.chunks) - 1
-        flights = sorted(self.in_flight, key=lambda a: self._key(a, last - self._chunk[a.stage]))
-        return [Action(a.stage, ActionKind.BACKWARD, a.microbatch) for a in flights]
+    def _backward_key(self, action: Action) -> tuple[int, int, int]:
+        """Backwards prefer the last chunk first."""
+        return self._key(action, len(self.chunks) - 1 - self._chunk[action.stage])
+
+    def arrive(self, message: Message) -> None:
+        """``message`` heads its channel: the action it feeds may run."""
+        if message.kind is ActionKind.FORWARD:
+            self.arrived.add(Action(message.boundary + 1, ActionKind.FORWARD, message.microbatch))
+        else:
+            self.arrived.add(Action(message.boundary, ActionKind.BACKWARD, message.microbatch))
+
+    def ready_forward(self, in_order: bool) -> Action | None:
+        """The first forward in preference order whose input has arrived (the first stage's only in
+        microbatch order; later stages take what has arrived: their shares come from several senders);
+        ``in_order``: the first forward left, if ready."""
+        if in_order:
+            first = self.pending[0] if self.pending else None
+            return first if first is not None and (first.stage == 0 or first in self.arrived) else None
+        ready = [action for action in self.arrived if action.kind is ActionKind.FORWARD]
+        ready += self._first_stage[-1:]
+        return min(ready, key=self._forward_key, default=None)
+
+    def ready_backward(self, in_order: bool) -> Action | None:
+        """The first backward of the forwards in flight, in preference order, whose gradient has arrived;
+        ``in_order``: the first of them, if ready."""
+        flights = sorted(self.in_flight, key=self._backward_key)[:1] if in_order else self.in_flight
+        ready = [
+            backward for a in flights
+            if (backward := Action(a.stage, ActionKind.BACKWARD, a.microbatch)) in self.arrived or a.stage == self.last_stage
+        ]
+        return min(ready, key=self._backward_key, default=None)
 
     def run(self, action: Action) -> None:
         self.program.append(action)
+        self.arrived.discard(action)
         forward = Action(action.stage, ActionKind.FORWARD, action.microbatch)
         if action.kind is ActionKind.FORWARD:
             self.pending.remove(forward)
             self.in_flight.append(forward)
+            if action.stage == 0:
+                self._first_stage.pop()
         else:
             self.in_flight.remove(forward)
 
