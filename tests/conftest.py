@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 import pytest
+
+# Every process the tests start keeps NCCL's point-to-point rules on gloo (engine/p2p_rules.py): a pipeline
+# that would hang on a GPU cluster fails here. ``ZORSE_P2P_RULES=gloo make test`` runs with gloo's own.
+os.environ.setdefault("ZORSE_P2P_RULES", "nccl")
 
 
 @pytest.fixture

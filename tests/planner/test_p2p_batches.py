@@ -6,28 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from testing.plans import hand_plan
+from testing.plans import hand_plan, per_message_batches
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.actions import messages_of
 from zorse_lightning.planner.interleaving import interleave
-from zorse_lightning.planner.p2p_batches import P2PBatch, play_rendezvous
+from zorse_lightning.planner.p2p_batches import play_rendezvous
 from zorse_lightning.planner.schedule import build_schedule
-
-
-def per_message_batches(plan, programs) -> list[tuple[P2PBatch, ...]]:
-    """How the engine posted before it kept NCCL's rules: each message alone, a receive just before the
-    action that needs it, a send just after the action that made it."""
-    batches = []
-    for rank, program in enumerate(programs):
-        mine = []
-        for index, action in enumerate(program):
-            receives, sends = messages_of(plan, rank, action)
-            mine += [P2PBatch(index, (), (m,)) for m in receives]
-            mine += [P2PBatch(index + 1, (m,), ()) for m in sends]
-        batches.append(tuple(mine))
-    return batches
 
 
 def test_two_stage_1f1b_posts_each_send_beside_the_receive_of_its_step():

@@ -102,7 +102,7 @@ class PipelineEngine:
         self.block_path = block_path
         self.schedule = build_schedule(self.plan)
         self.forward_schedule = build_schedule(self.plan, forward_only=True)
-        self.transport = Transport(device, host_group)
+        self.transport = Transport(device, groups.pipeline_group, host_group)
         self.cut: StageCut | None = None
         self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
@@ -147,6 +147,9 @@ class PipelineEngine:
                 block.forward = checkpoint_forward(block.forward)
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
+            # Under NCCL the first use of a group makes its communicator and must include every rank;
+            # after it, batches between any two ranks run on it.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.groups.pipeline_group)
         if self.groups.is_idle:
             release_module(self.module)
         elif self.is_pipelined:

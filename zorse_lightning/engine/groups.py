@@ -65,6 +65,11 @@ class StageGroups:
     """All ranks of this rank's stage: data-parallel reductions and optimizer shards (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
     """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all)."""
+    pipeline_group: dist.ProcessGroup | None = None
+    """All ranks, for the point-to-point messages between stages alone (None without stages to pass
+    between), as Megatron-LM keeps a pipeline group: under NCCL batched messages run on the group's own
+    communicator and stream, made once for all pairs at setup, and apart from the default group's
+    collectives (the loss, the gradient norm), which would otherwise queue behind them on one stream."""
 
     @property
     def is_idle(self) -> bool:
@@ -116,7 +121,8 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
     for stages in shared_stage_sets(plan):
         ranks = sorted(r for s in stages for r in plan.stages[s].ranks)
         shared[stages] = dist.new_group(ranks, timeout=timeout)
+    pipeline = dist.new_group(timeout=timeout) if len(plan.stages) > 1 else None
     if rank in plan.idle_ranks:
-        return StageGroups(plan, rank, None, None, {})
+        return StageGroups(plan, rank, None, None, {}, pipeline)
     stage_index = plan.stage_of_rank(rank)
-    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared)
+    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared, pipeline)

@@ -3,7 +3,7 @@
 The schedule says what a rank posts together (:mod:`..planner.p2p_batches`):
 each batch is one ``dist.batch_isend_irecv``, so its sends and receives
 progress together, and batches run in order. Under NCCL, batched operations run
-on the group's own communicator (made by the collectives before the first step)
+on the group's own communicator (the engine's pipeline group, made and used once at setup)
 rather than on a communicator per pair, which NCCL would make at the pair's
 first message, blocking until the peer joins. The host waits only where an
 action needs what a batch received; sends complete by the end of the step.
@@ -45,14 +45,16 @@ class Transport:
     """One rank's posting of its batches during a step: what it sends is handed in by :meth:`stage`, what
     it receives taken by :meth:`take` (waiting for that batch only)."""
 
-    def __init__(self, device: torch.device, host_group: Any = None) -> None:
-        """``host_group``: a gloo group over all ranks for the headers (None: the default group, where it is gloo)."""
+    def __init__(self, device: torch.device, group: Any = None, host_group: Any = None) -> None:
+        """``group``: the group of the messages (None: the default one); ``host_group``: a gloo group over all
+        ranks for the headers (None: ``group``, which is then gloo)."""
         self.device = device
-        self.host_group = host_group
+        self.group = group
+        self.host_group = host_group if host_group is not None else group
         self._outbox: dict[Message, torch.Tensor] = {}
         self._inbox: dict[Message, tuple[torch.Tensor, Callable[[], None]]] = {}
         self._pending: list[tuple[Callable[[], None], list[torch.Tensor]]] = []
-        self._stream = RendezvousStream() if rules_from_environment() else None
+        self._stream = RendezvousStream(group) if rules_from_environment(group) else None
 
     def stage(self, message: Message, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` (an activation or a gradient this rank made) until its batch is posted."""
@@ -80,8 +82,8 @@ class Transport:
     def _post(self, batch: P2PBatch, sends, receives) -> Callable[[], None]:
         if self._stream is not None:
             return self._stream.post(batch, sends, receives)
-        ops = [dist.P2POp(dist.isend, tensor, message.dst) for message, tensor in sends]
-        ops += [dist.P2POp(dist.irecv, tensor, message.src) for message, tensor in receives]
+        ops = [dist.P2POp(dist.isend, tensor, message.dst, self.group) for message, tensor in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, message.src, self.group) for message, tensor in receives]
         return _once(dist.batch_isend_irecv(ops))
 
     def _recv_header(self, src: int) -> torch.Tensor:

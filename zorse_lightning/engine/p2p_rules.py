@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +42,16 @@ class P2PRulesError(RuntimeError):
     """A batch that would wait forever under NCCL's rules."""
 
 
-def rules_from_environment() -> bool:
-    """Whether this gloo run keeps NCCL's rules (``ZORSE_P2P_RULES=nccl``); on NCCL they hold anyway."""
+def rules_from_environment(group: Any = None) -> bool:
+    """Whether messages over ``group`` (None: the default group) keep NCCL's rules on gloo
+    (``ZORSE_P2P_RULES=nccl``); on NCCL they hold anyway."""
     value = os.environ.get(RULES_ENV, "").strip().lower()
     if value not in ("", "gloo", "nccl"):
         raise ValueError(
             f"{RULES_ENV}={os.environ[RULES_ENV]!r} is not a rule set; use 'nccl' (gloo runs keep NCCL's "
             f"point-to-point rules) or leave it unset (gloo's own)"
         )
-    return value == "nccl" and dist.get_backend() == "gloo"
+    return value == "nccl" and dist.get_backend(group) == "gloo"
 
 
 def _timeout_s() -> float:
@@ -75,7 +77,9 @@ class _Posted:
 class RendezvousStream:
     """One rank's stream under NCCL's rules: batches run one at a time, in posting order, on a worker thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
+        """``group``: the group of the messages (None: the default one)."""
+        self.group = group
         self.rank = dist.get_rank()
         self.timeout_s = _timeout_s()
         self._queue: queue.Queue[_Posted] = queue.Queue()
@@ -101,7 +105,7 @@ class RendezvousStream:
             posted = self._queue.get()
             try:
                 if self._failed is not None:
-                    raise P2PRulesError(f"rank {self.rank}: an earlier batch failed: {self._failed}")
+                    raise P2PRulesError(f"{posted.batch.describe(self.rank)} never ran: {self._failed}")
                 self._rendezvous(posted)
             except BaseException as error:  # handed to the waiting host, never lost in the thread
                 self._failed = self._failed or error
@@ -114,13 +118,13 @@ class RendezvousStream:
         for message, tensor in posted.receives:
             token = torch.ones(1)
             keep.append(token)
-            waits.append((message, dist.irecv(tensor, message.src, tag=DATA_TAG)))
-            waits.append((None, dist.isend(token, message.src, tag=ACK_TAG)))  # "my receive is posted"
+            waits.append((message, dist.irecv(tensor, message.src, self.group, DATA_TAG)))
+            waits.append((None, dist.isend(token, message.src, self.group, ACK_TAG)))  # "my receive is posted"
         for message, tensor in posted.sends:
             acknowledgement = torch.empty(1)
             keep.append(acknowledgement)
-            waits.append((None, dist.isend(tensor, message.dst, tag=DATA_TAG)))
-            waits.append((message, dist.irecv(acknowledgement, message.dst, tag=ACK_TAG)))  # the receiver's notice
+            waits.append((None, dist.isend(tensor, message.dst, self.group, DATA_TAG)))
+            waits.append((message, dist.irecv(acknowledgement, message.dst, self.group, ACK_TAG)))  # the receiver's notice
         deadline = time.monotonic() + self.timeout_s
         for index, (_, work) in enumerate(waits):
             try:
