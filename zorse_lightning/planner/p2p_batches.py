@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
@@ -76,25 +77,20 @@ def rank_batches(
     actions of step ``t`` send to it; ranks without a message in a step post nothing."""
     sends: list[dict[int, list[Message]]] = [{} for _ in programs]
     receives: list[dict[int, list[Message]]] = [{} for _ in programs]
-    done = [0] * len(programs)
-    before: list[dict[int, int]] = [{} for _ in programs]
-    """Per rank and step: the actions the rank has run by the end of that step."""
-    for step in range(max((len(row) for row in grid), default=0)):
-        for rank, row in enumerate(grid):
-            action = row[step] if step < len(row) else None
+    for rank, row in enumerate(grid):  # ranks in order: each step's receives keep the order of their senders
+        for step, action in enumerate(row):
             if action is not None:
-                done[rank] += 1
                 for message in messages_of(plan, rank, action)[1]:
                     sends[rank].setdefault(step, []).append(message)
                     receives[message.dst].setdefault(step, []).append(message)
-            before[rank][step] = done[rank]
-    return tuple(
-        tuple(
-            P2PBatch(before[rank][step], tuple(sends[rank].get(step, ())), tuple(receives[rank].get(step, ())))
+    batches = []
+    for rank, row in enumerate(grid):
+        done = list(accumulate(action is not None for action in row))  # per step: actions run by its end
+        batches.append(tuple(
+            P2PBatch(done[min(step, len(done) - 1)], tuple(sends[rank].get(step, ())), tuple(receives[rank].get(step, ())))
             for step in sorted({*sends[rank], *receives[rank]})
-        )
-        for rank in range(len(programs))
-    )
+        ))
+    return tuple(batches)
 
 
 def play_rendezvous(

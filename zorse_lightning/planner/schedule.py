@@ -208,7 +208,9 @@ class _RankPlay:
     """The forwards of the plan's first stage (none unless the rank runs it), in preference order: they
     run in that order (they need no input, so only the first of them is ever offered)."""
     arrived: set[Action] = field(default_factory=set)
-    """Actions whose input (an activation, a gradient) heads its channel."""
+    """Forwards whose activation heads its channel."""
+    backwardable: set[Action] = field(default_factory=set)
+    """Forwards in flight whose backward may run: of the last stage, or their gradient heads its channel."""
     in_flight: list[Action] = field(default_factory=list)
     program: list[Action] = field(default_factory=list)
 
@@ -227,16 +229,16 @@ class _RankPlay:
     def _forward_key(self, action: Action) -> tuple[int, int, int]:
         return self._key(action, self._chunk[action.stage])
 
-    def _backward_key(self, action: Action) -> tuple[int, int, int]:
-        """Backwards prefer the last chunk first."""
-        return self._key(action, len(self.chunks) - 1 - self._chunk[action.stage])
+    def _backward_key(self, forward: Action) -> tuple[int, int, int]:
+        """Backwards (of the forwards in flight) prefer the last chunk first."""
+        return self._key(forward, len(self.chunks) - 1 - self._chunk[forward.stage])
 
     def arrive(self, message: Message) -> None:
         """``message`` heads its channel: the action it feeds may run."""
         if message.kind is ActionKind.FORWARD:
             self.arrived.add(Action(message.boundary + 1, ActionKind.FORWARD, message.microbatch))
         else:
-            self.arrived.add(Action(message.boundary, ActionKind.BACKWARD, message.microbatch))
+            self.backwardable.add(Action(message.boundary, ActionKind.FORWARD, message.microbatch))
 
     def ready_forward(self, in_order: bool) -> Action | None:
         """The first forward in preference order whose input has arrived (the first stage's only in
@@ -245,31 +247,32 @@ class _RankPlay:
         if in_order:
             first = self.pending[0] if self.pending else None
             return first if first is not None and (first.stage == 0 or first in self.arrived) else None
-        ready = [action for action in self.arrived if action.kind is ActionKind.FORWARD]
-        ready += self._first_stage[-1:]
-        return min(ready, key=self._forward_key, default=None)
+        return min([*self.arrived, *self._first_stage[-1:]], key=self._forward_key, default=None)
 
     def ready_backward(self, in_order: bool) -> Action | None:
         """The first backward of the forwards in flight, in preference order, whose gradient has arrived;
         ``in_order``: the first of them, if ready."""
-        flights = sorted(self.in_flight, key=self._backward_key)[:1] if in_order else self.in_flight
-        ready = [
-            backward for a in flights
-            if (backward := Action(a.stage, ActionKind.BACKWARD, a.microbatch)) in self.arrived or a.stage == self.last_stage
-        ]
-        return min(ready, key=self._backward_key, default=None)
+        if in_order:
+            first = min(self.in_flight, key=self._backward_key, default=None)
+            forward = first if first in self.backwardable else None
+        else:
+            forward = min(self.backwardable, key=self._backward_key, default=None)
+        return forward and Action(forward.stage, ActionKind.BACKWARD, forward.microbatch)
 
     def run(self, action: Action) -> None:
         self.program.append(action)
-        self.arrived.discard(action)
         forward = Action(action.stage, ActionKind.FORWARD, action.microbatch)
         if action.kind is ActionKind.FORWARD:
+            self.arrived.discard(action)
             self.pending.remove(forward)
             self.in_flight.append(forward)
             if action.stage == 0:
                 self._first_stage.pop()
+            if action.stage == self.last_stage:
+                self.backwardable.add(forward)
         else:
             self.in_flight.remove(forward)
+            self.backwardable.discard(forward)
 
 
 def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action | None, ...], ...]:
@@ -281,11 +284,13 @@ def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple
     channels: dict[tuple[int, int], list[Message]] = {}
     cursor = [0] * len(programs)
     grid: list[list[Action | None]] = [[] for _ in programs]
+    upcoming = [messages_of(plan, rank, program[0]) if program else None for rank, program in enumerate(programs)]
+    """Each rank's next action's (receives, sends): a waiting rank is looked at every step."""
     while any(c < len(p) for c, p in zip(cursor, programs)):
         ready = []
         for rank, program in enumerate(programs):
             if cursor[rank] < len(program):
-                receives, sends = messages_of(plan, rank, program[cursor[rank]])
+                receives, sends = upcoming[rank]
                 if all(channels.get((m.src, m.dst), [None])[:1] == [m] for m in receives):
                     ready.append((rank, receives, sends))
         if not ready:
@@ -299,6 +304,8 @@ def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple
             for message in sends:
                 channels.setdefault((message.src, message.dst), []).append(message)
             cursor[rank] += 1
+            if cursor[rank] < len(programs[rank]):
+                upcoming[rank] = messages_of(plan, rank, programs[rank][cursor[rank]])
     leftovers = [m for queue in channels.values() for m in queue]
     if leftovers:
         raise PlanningError(f"schedule leaves {len(leftovers)} messages unreceived, first {leftovers[0]}")

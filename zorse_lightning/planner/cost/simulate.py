@@ -42,6 +42,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import NamedTuple
 
 from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.cost.compute import MicrobatchTimes
@@ -138,6 +139,14 @@ class _Route:
     """The link the other way, which the receiver's notice that it is ready crosses."""
 
 
+class _Upcoming(NamedTuple):
+    """A rank's next action, what it receives first (each message with its route) and what it sends."""
+
+    action: Action
+    receives: tuple[tuple[Message, _Route], ...]
+    sends: list[Message]
+
+
 @dataclass
 class _Play:
     """Every rank's progress through its program, in event time (local to :func:`simulate`).
@@ -161,8 +170,8 @@ class _Play:
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
     _routes: dict[tuple[int, int, int], _Route] = field(default_factory=dict)
-    _messages: dict[tuple[int, int], tuple[Action, list[Message], list[Message]]] = field(default_factory=dict)
-    """(rank, position in its program) -> that action with its receives and sends."""
+    _upcoming: dict[int, tuple[_Upcoming, int]] = field(default_factory=dict)
+    """Rank -> its next action, as :meth:`next_action` gives it, and that action's position in its program."""
 
     def __post_init__(self) -> None:
         self.free_at = [0.0] * len(self.programs)
@@ -200,27 +209,33 @@ class _Play:
             for t in {r, *self.step(r, start)}:
                 queue(t)
 
-    def next_action(self, rank: int) -> tuple[Action, list[Message], list[Message]] | None:
-        """The rank's next action with (its receives, its sends), or None when its program is done."""
-        program = self.programs[rank]
-        if self.cursor[rank] == len(program):
+    def next_action(self, rank: int) -> _Upcoming | None:
+        """The rank's next action with its receives (each with its route) and its sends, or None when its
+        program is done; made once per action (routing a message walks the stage's shares, and
+        :meth:`start_of` asks at every look at the rank)."""
+        program, position = self.programs[rank], self.cursor[rank]
+        if position == len(program):
             return None
-        key = (rank, self.cursor[rank])
-        if key not in self._messages:  # asked again at every look at the rank: routing a message walks the stage's shares
-            action = program[key[1]]
-            self._messages[key] = (action, *messages_of(self.plan, rank, action))
-        return self._messages[key]
+        if self._upcoming.get(rank, (None, -1))[1] != position:
+            receives, sends = messages_of(self.plan, rank, program[position])
+            upcoming = _Upcoming(program[position], tuple((m, self.route(m)) for m in receives), sends)
+            self._upcoming[rank] = (upcoming, position)
+        return self._upcoming[rank][0]
 
     def start_of(self, rank: int) -> float | None:
         """When the rank's next action can start, or None while a message it needs is unsent."""
         upcoming = self.next_action(rank)
-        if upcoming is None or any(m not in self.sent_at for m in upcoming[1]):
+        if upcoming is None:
             return None
-        return max([self.free_at[rank], *(self.moves_at(m) + self.route(m).transfer_ms for m in upcoming[1])])
+        start = self.free_at[rank]
+        for message, route in upcoming.receives:
+            if message not in self.sent_at:
+                return None
+            start = max(start, self.moves_at(message, route) + route.transfer_ms)
+        return start
 
-    def moves_at(self, message: Message) -> float:
+    def moves_at(self, message: Message, route: _Route) -> float:
         """When ``message`` starts to cross: sent, its receiver's notice across, its link free."""
-        route = self.route(message)
         notice_ms = max(self.free_at[message.dst], self.link_free.get(route.notice_link, 0.0))
         return max(self.sent_at[message], notice_ms, self.link_free.get(route.link, 0.0))
 
@@ -228,8 +243,8 @@ class _Play:
         """Run the rank's next action at ``start``: record the transfers it waited for (which
         held their links) and the action; return the ranks its sends may let proceed."""
         action, receives, sends = self.next_action(rank)
-        for message in receives:
-            moved, route = self.moves_at(message), self.route(message)
+        for message, route in receives:
+            moved = self.moves_at(message, route)
             self.link_free[route.link] = moved + route.transfer_ms
             del self.sent_at[message]
             for r, kind in ((message.src, EventKind.SEND), (rank, EventKind.RECV)):
