@@ -93,7 +93,7 @@ _WORKER = textwrap.dedent(
     import json, os, sys
     import torch, torch.distributed as dist
     from zorse_lightning.strategy.accelerator import cuda_index_for
-from zorse_lightning.strategy.environment import HeterogeneousEnvironment
+    from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 
     env = HeterogeneousEnvironment()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)

@@ -50,7 +50,9 @@ from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling.measure import ForwardContext
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.startup.device_profile import DeviceInputs, measure_on_device, model_profile
-from zorse_lightning.startup.link_probe import probe_bytes, probe_machines, with_measured_rates
+from zorse_lightning.startup.link_probe import (
+    MAX_PROBE_BYTES, MIN_PROBE_BYTES, probe_bytes, probe_machines, with_measured_rates,
+)
 from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
 from zorse_lightning.startup.step_costs import OptimizerFactory
 
@@ -135,7 +137,11 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     costs = mine.calibrated_costs
     measured: list[Any] = [None] * inputs.world_size
     dist.all_gather_object(measured, replace(mine, calibrated_costs=None))  # alike on every rank: not sent
-    probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module))
+    # between machines, the largest message a stage boundary could pass (a rank's whole batch of activations),
+    # within the probe's bounds; the same on every rank (both ends allocate it)
+    largest = max(m.output_bytes_per_sample * m.samples for m in measured)
+    boundary_bytes = int(min(max(largest, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
+    probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module), boundary_bytes)
     if inputs.rank != 0:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, 0)
