@@ -140,11 +140,18 @@ class _Route:
 
 
 class _Upcoming(NamedTuple):
-    """A rank's next action, what it receives first (each message with its route) and what it sends."""
+    """A rank's next action, what it receives first (each message with its key in
+    :attr:`_Play.sent_at` and its route) and what it sends (with their keys)."""
 
     action: Action
-    receives: tuple[tuple[Message, _Route], ...]
-    sends: list[Message]
+    receives: tuple[tuple[Message, tuple, _Route], ...]
+    sends: tuple[tuple[Message, tuple], ...]
+
+
+def _key(message: Message) -> tuple:
+    """``message`` as a plain tuple: hashed and compared in C (a dataclass's hash and equality are
+    Python calls, most of what looking a message up cost)."""
+    return message.src, message.dst, message.microbatch, message.boundary, message.kind is ActionKind.FORWARD
 
 
 @dataclass
@@ -164,14 +171,15 @@ class _Play:
     free_at: list[float] = field(init=False)
     """When each rank ends its last action so far (and posts its next receive)."""
     cursor: list[int] = field(init=False)
-    sent_at: dict[Message, float] = field(default_factory=dict)
-    """Messages sent and not yet received, by when their sender ended the action that made them."""
+    sent_at: dict[tuple, float] = field(default_factory=dict)
+    """Messages sent and not yet received (by :func:`_key`), by when their sender ended the action that
+    made them."""
     link_free: dict[tuple, float] = field(default_factory=dict)
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
     _routes: dict[tuple[int, int, int], _Route] = field(default_factory=dict)
-    _upcoming: dict[int, tuple[_Upcoming, int]] = field(default_factory=dict)
-    """Rank -> its next action, as :meth:`next_action` gives it, and that action's position in its program."""
+    _upcoming: list[_Upcoming | None] = field(init=False)
+    """Each rank's next action (:meth:`_next_of`), None once its program is done."""
 
     def __post_init__(self) -> None:
         self.free_at = [0.0] * len(self.programs)
@@ -181,6 +189,7 @@ class _Play:
             for index, (stage, stage_cost) in enumerate(zip(self.plan.stages, self.cost.stages))
             for r, times in zip(stage.ranks, stage_cost.times)
         }
+        self._upcoming = [self._next_of(r) for r in range(len(self.programs))]
 
     def run(self) -> None:
         """Play every program to its end. Each rank has at most one live heap entry (``queued``): a rank
@@ -209,44 +218,44 @@ class _Play:
             for t in {r, *self.step(r, start)}:
                 queue(t)
 
-    def next_action(self, rank: int) -> _Upcoming | None:
+    def _next_of(self, rank: int) -> _Upcoming | None:
         """The rank's next action with its receives (each with its route) and its sends, or None when its
         program is done; made once per action (routing a message walks the stage's shares, and
         :meth:`start_of` asks at every look at the rank)."""
         program, position = self.programs[rank], self.cursor[rank]
         if position == len(program):
             return None
-        if self._upcoming.get(rank, (None, -1))[1] != position:
-            receives, sends = messages_of(self.plan, rank, program[position])
-            upcoming = _Upcoming(program[position], tuple((m, self.route(m)) for m in receives), sends)
-            self._upcoming[rank] = (upcoming, position)
-        return self._upcoming[rank][0]
+        receives, sends = messages_of(self.plan, rank, program[position])
+        return _Upcoming(
+            program[position], tuple((m, _key(m), self.route(m)) for m in receives), tuple((m, _key(m)) for m in sends)
+        )
 
     def start_of(self, rank: int) -> float | None:
         """When the rank's next action can start, or None while a message it needs is unsent."""
-        upcoming = self.next_action(rank)
+        upcoming = self._upcoming[rank]
         if upcoming is None:
             return None
         start = self.free_at[rank]
-        for message, route in upcoming.receives:
-            if message not in self.sent_at:
+        for message, key, route in upcoming.receives:
+            if key not in self.sent_at:
                 return None
-            start = max(start, self.moves_at(message, route) + route.transfer_ms)
+            start = max(start, self.moves_at(message, key, route) + route.transfer_ms)
         return start
 
-    def moves_at(self, message: Message, route: _Route) -> float:
-        """When ``message`` starts to cross: sent, its receiver's notice across, its link free."""
+    def moves_at(self, message: Message, key: tuple, route: _Route) -> float:
+        """When ``message`` (of :func:`_key` ``key``) starts to cross: sent, its receiver's notice across,
+        its link free."""
         notice_ms = max(self.free_at[message.dst], self.link_free.get(route.notice_link, 0.0))
-        return max(self.sent_at[message], notice_ms, self.link_free.get(route.link, 0.0))
+        return max(self.sent_at[key], notice_ms, self.link_free.get(route.link, 0.0))
 
     def step(self, rank: int, start: float) -> set[int]:
         """Run the rank's next action at ``start``: record the transfers it waited for (which
         held their links) and the action; return the ranks its sends may let proceed."""
-        action, receives, sends = self.next_action(rank)
-        for message, route in receives:
-            moved = self.moves_at(message, route)
+        action, receives, sends = self._upcoming[rank]
+        for message, key, route in receives:
+            moved = self.moves_at(message, key, route)
             self.link_free[route.link] = moved + route.transfer_ms
-            del self.sent_at[message]
+            del self.sent_at[key]
             for r, kind in ((message.src, EventKind.SEND), (rank, EventKind.RECV)):
                 self.events.append(TimelineEvent(r, kind, message.microbatch, moved, moved + route.transfer_ms, message.boundary))
         times = self._times[(rank, action.stage)]
@@ -255,9 +264,10 @@ class _Play:
         self.events.append(TimelineEvent(rank, kind, action.microbatch, start, end, action.stage))
         self.free_at[rank] = end
         self.cursor[rank] += 1
-        for message in sends:
-            self.sent_at[message] = end
-        return {message.dst for message in sends}
+        self._upcoming[rank] = self._next_of(rank)
+        for _, key in sends:
+            self.sent_at[key] = end
+        return {message.dst for message, _ in sends}
 
     def route(self, message: Message) -> _Route:
         """The cost model's price of one message between two ranks (both directions carry
