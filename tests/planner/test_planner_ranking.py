@@ -11,7 +11,8 @@ import pytest
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import CostContext, PlannerOptions, all_baselines, make_plan
-from zorse_lightning.planner.choice import IDLE_MARGIN, Choice
+from zorse_lightning.planner import choice as choice_module
+from zorse_lightning.planner.choice import IDLE_MARGIN, Choice, work_of
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.profiling import reference_profile
 
@@ -51,6 +52,36 @@ def test_where_the_closed_form_and_the_simulation_disagree_the_search_follows_th
     assert choice.chosen.stages == across.stages  # by the closed form
     choice.finalists()
     assert choice.chosen.stages == plan.stages and choice.chosen.predicted.closed_form_ms is not None
+
+
+def test_the_search_simulates_within_its_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning time (issue 30, 512 GPUs): a plan above MOST_SEARCH_WORK, or beyond SEARCH_WORK in all, keeps
+    its closed form while the search ranks; the plan returned is simulated all the same."""
+    inventory, profile, plan = _dc2()
+    ctx = CostContext.build(inventory, profile)
+    across = make_plan(inventory, profile, BATCH, PlannerOptions(stage_layout=FOUR_A100S, microbatch_size=8, max_interleave=1))
+    plans = [_closed_form_only(across), _closed_form_only(replace(plan, notes=()))]
+    # room for one simulation: the closed form's favourite is simulated, the plan it then holds is not
+    monkeypatch.setattr(choice_module, "SEARCH_WORK", work_of(across))
+    choice = Choice(ctx)
+    for held in plans:
+        choice.offer(held)
+    choice.settle()
+    assert choice.simulated == 1 and choice.simulated_work == work_of(across)
+    assert choice.chosen.stages == plan.stages and choice.chosen.predicted.closed_form_ms is None
+    # no plan small enough: nothing is simulated while the search ranks ...
+    monkeypatch.setattr(choice_module, "SEARCH_WORK", 2**30)
+    monkeypatch.setattr(choice_module, "MOST_SEARCH_WORK", min(work_of(p) for p in plans) - 1)
+    choice = Choice(ctx)
+    for held in plans:
+        choice.offer(held)
+    choice.finalists()
+    assert choice.simulated == 0 and choice.chosen.stages == across.stages
+    # ... and, none simulated while it ranks, the plan the search returns is still predicted by the simulation
+    monkeypatch.setattr(choice_module, "MOST_SEARCH_WORK", 0)
+    planned = make_plan(inventory, profile, BATCH)
+    assert planned.predicted.closed_form_ms is not None
+    assert any(" 0 of " in note and "plans the search priced were simulated" in note for note in planned.notes)
 
 
 def test_a_baseline_that_beat_the_plan_is_now_the_plan_or_beaten() -> None:

@@ -10,11 +10,14 @@ holds is simulated (a plan ranked ahead of it by the closed form gets simulated 
 :meth:`Choice.threshold_ms` is against a simulated time), and :meth:`Choice.finalists` simulates the
 other plans whose closed form comes within :data:`CLOSED_FORM_SPREAD` of it, while
 :data:`FINALIST_WORK` allows. Simulating costs about ``2 V M R`` units of work (the actions of every
-program times the ranks each step of the recording looks at: 16 us a unit on this 2-core machine, 25 ms
-a candidate at 32 GPUs and 64 microbatches), so a plan too large to simulate within planning time
+program times the ranks each step of the recording looks at: about 8 us a unit on this 2-core machine,
+10 to 30 ms a candidate at 32 GPUs and 64 microbatches), so a plan too large to simulate within planning time
 (:data:`.interleave_choice.MOST_RECORDING_WORK`), and one whose stage gathers parameters per microbatch
 (the simulation does not play those gathers; the closed form prices them in lockstep), keeps its closed
-form: :func:`price` is the one pricing of every plan and baseline.
+form: :func:`price` is the one pricing of every plan and baseline. The search itself simulates only plans
+of at most :data:`MOST_SEARCH_WORK` and, beyond :data:`SEARCH_WORK` in all, ranks the rest by their
+closed form (the ranking before simulation did, the final plan still simulated): at 512 GPUs each new
+leading plan cost up to ``2^21`` units (seconds) and the lead changed many times.
 
 A plan that leaves GPUs idle wastes hardware the user has, and no prediction of it is more exact than
 of the plan using every GPU (fidelity benches: within a few per cent), so a tie is no reason to leave
@@ -42,9 +45,19 @@ MOST_SIMULATED_WORK = 2**21
 """Largest ``2 V M R`` of a plan the search simulates (the limit of
 :data:`.interleave_choice.MOST_RECORDING_WORK`: about 8 s of recording at 1024 GPUs); larger plans keep
 the closed form and their note says so."""
+MOST_SEARCH_WORK = 2**17
+"""Largest ``2 V M R`` of a plan :meth:`Choice.settle` simulates during the search (about 1 s): every plan
+of the shipped clusters (at most ``2^16``: 32 GPUs, 1024 microbatches), the plans of a few hundred GPUs
+at the larger microbatch sizes. Larger plans are ranked by their closed form, and the plan returned is
+simulated as every plan is (:func:`price`, up to :data:`MOST_SIMULATED_WORK`)."""
+SEARCH_WORK = 2**19
+"""Work :meth:`Choice.settle` may spend in all (about 4 s at 8 us a unit): beyond it the plans held keep
+their closed form. The cases of ``bench/plan_quality.py`` (every shipped cluster) spend at most 184,320;
+``bench/plan_scaling.py``'s 128 GPUs about 450,000 (with 2^18 its plan came out 6 % slower)."""
 FINALIST_WORK = 2**14
 """Work (``2 V M R`` summed) :meth:`Choice.finalists` may spend simulating plans beyond those
-:meth:`Choice.settle` had to: about 1 s here (16 us a unit), 40 candidates of 32 GPUs at 64 microbatches."""
+:meth:`Choice.settle` had to: 40 candidates of 32 GPUs at 64 microbatches, about 0.15 s here (8 us a unit)
+beside each simulation's own cost (its plan's closed form, about 5 ms: 8 GPUs simulate about 100 plans)."""
 CLOSED_FORM_SPREAD = 2.0
 """Finalists are the plans whose closed form is within this factor of the chosen plan's simulated time:
 the simulation came to 0.55x the closed form at its lowest over the candidates of every shipped cluster
@@ -70,6 +83,11 @@ def price(ctx: CostContext, plan: Plan) -> Plan:
 def is_priced(plan: Plan) -> bool:
     """Whether ``plan``'s prediction is final (:func:`price` would not change it)."""
     return plan.predicted.closed_form_ms is not None or not simulable(plan)
+
+
+def searchable(plan: Plan) -> bool:
+    """Whether the search simulates ``plan`` to rank it (:data:`MOST_SEARCH_WORK`)."""
+    return not is_priced(plan) and work_of(plan) <= MOST_SEARCH_WORK
 
 
 def _ms(plan: Plan) -> float:
@@ -113,9 +131,13 @@ class Choice:
 
     def settle(self) -> None:
         """Simulate the plans held (:attr:`chosen` and the fastest using every GPU) until both are
-        simulated: a plan that the closed form ranks ahead of one already simulated is simulated in turn."""
+        simulated: a plan that the closed form ranks ahead of one already simulated is simulated in turn
+        (only plans of :data:`MOST_SEARCH_WORK` or less, within :data:`SEARCH_WORK` in all)."""
         while True:
-            unsettled = [p for p in (self.chosen, self.every_gpu) if p is not None and not is_priced(p)]
+            unsettled = [
+                p for p in (self.chosen, self.every_gpu)
+                if p is not None and searchable(p) and self.simulated_work + work_of(p) <= SEARCH_WORK
+            ]
             if not unsettled:
                 return
             self._simulate(next(i for i, p in enumerate(self.pool) if p is unsettled[0]))
@@ -127,7 +149,7 @@ class Choice:
         if self.chosen is None:
             return
         limit = _ms(self.chosen) / (1 - IDLE_MARGIN) * CLOSED_FORM_SPREAD
-        waiting = sorted((_ms(p), i) for i, p in enumerate(self.pool) if not is_priced(p) and _ms(p) <= limit)
+        waiting = sorted((_ms(p), i) for i, p in enumerate(self.pool) if searchable(p) and _ms(p) <= limit)
         budget = FINALIST_WORK
         for _, index in waiting:
             work = work_of(self.pool[index])

@@ -32,8 +32,9 @@ that leave the slowest GPU types idle), microbatch size and schedule. Two phases
 The candidates are priced in the closed form, which needs no programs; the plan is predicted, and the
 candidates that could be chosen are ranked, by the simulation of the engine's programs
 (:mod:`.choice`: the plan held is simulated before it prunes anything, and the plans within 2x of it in
-the closed form are simulated while a budget allows). The note says by how much the two disagree on
-the plan, and how many plans were simulated.
+the closed form are simulated while a budget allows; plans too large to simulate within planning time, or
+beyond the search's budget of simulation, are ranked by their closed form). The note says by how much the
+two disagree on the plan, and how many plans were simulated.
 
 GPipe is tried only when pinned: its time equals 1F1B's and its memory is never
 smaller (see :mod:`.cost.compute`).
