@@ -20,10 +20,11 @@ def hand_plan(
     idle_ranks: tuple[int, ...] = (),
     gather_per_microbatch: bool = False,
     interleave: int = 1,
+    offload_stages: tuple[int, ...] = (),
 ) -> Plan:
     """A plan from (ranks, microbatches per rank, layer range) per stage (GPU types from ``inventory``),
     ``idle_ranks`` in no stage; ``interleave`` > 1: the stages are virtual ones, the groups' chunks in
-    layer order (``shard_fractions`` then by group)."""
+    layer order (``shard_fractions`` then by group); ``offload_stages``: the groups that offload activations."""
     groups = len(stages) // interleave
     built = []
     for index, (ranks, counts, layers) in enumerate(stages):
@@ -37,6 +38,7 @@ def hand_plan(
                 sharding=sharding,
                 shard_fractions=(shard_fractions or {}).get(index % groups, ()),
                 recompute=recompute,
+                offload_activations=index % groups in offload_stages,
                 gather_per_microbatch=gather_per_microbatch,
             )
         )

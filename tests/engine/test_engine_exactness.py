@@ -51,6 +51,8 @@ class Case:
     idle: tuple[int, ...] = ()
     adamw: bool = False
     interleave: int = 1
+    offload_stages: tuple[int, ...] = ()
+    """Groups of ranks whose blocks keep their saved tensors in host memory (activation offload)."""
 
 
 CASES = [
@@ -136,6 +138,28 @@ CASES = [
         interleave=2,
         adamw=True,
     ),
+    Case(
+        "two_stages_offload_every_rank_1f1b_clip",
+        [((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))],
+        offload_stages=(0, 1),
+        clip=0.05,
+        accumulate=2,
+    ),
+    Case(
+        "two_stages_offload_one_rank_optimizer_sharded",
+        [((0,), (4,), (0, 3)), ((1,), (4,), (3, 4))],
+        offload_stages=(0,),
+        sharding=Sharding.OPTIMIZER,
+        idle=(2, 3),
+        adamw=True,
+    ),
+    Case(
+        "data_parallel_offload_full_per_step",
+        [((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))],
+        sharding=Sharding.FULL,
+        fractions={0: (0.4, 0.1, 0.3, 0.2)},
+        offload_stages=(0,),
+    ),
 ]
 
 
@@ -190,6 +214,7 @@ def _run_case(rank: int, case: Case) -> dict:
         idle_ranks=case.idle,
         gather_per_microbatch=case.gather_per_microbatch,
         interleave=case.interleave,
+        offload_stages=case.offload_stages,
     )
     batches = _batches(STEPS * case.accumulate, plan.global_batch_size)
     model = _model()
@@ -245,6 +270,7 @@ def _run_case(rank: int, case: Case) -> dict:
         "held_numel": sum(p.numel() for p in {id(p): p for p in held.values()}.values()),
         "held_after_prepare": held_after_prepare,
         "held_at_a_step_start": peak_held,
+        "offloaded_bytes": engine.offload.offloaded_bytes if engine.offload is not None else 0,
     }
 
 
@@ -274,6 +300,16 @@ def test_parameters_and_losses_match_single_process(results, case):
         assert per_rank[case]["max_param_diff"] < tolerance, (rank, per_rank[case])
         assert per_rank[case]["evaluated_diff"] < 1e-5, (rank, per_rank[case])
         assert per_rank[case]["loss_diff"] < 1e-5, (rank, per_rank[case])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.offload_stages], ids=lambda c: c.name)
+def test_offload_copies_activations_only_where_the_plan_says(results, case):
+    """The hooks ran (exactness alone would pass with them never installed), on the offloading ranks only."""
+    plan = hand_plan(case.stages, microbatch_size=MICROBATCH, idle_ranks=case.idle, interleave=case.interleave)
+    offloading = {r for g in case.offload_stages for r in plan.stages[g].ranks}
+    for rank, per_rank in enumerate(results):
+        copied = per_rank[case.name]["offloaded_bytes"]
+        assert (copied > 0) == (rank in offloading), (rank, copied)
 
 
 def test_evaluation_gives_every_microbatch_once(results):

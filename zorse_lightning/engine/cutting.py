@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from zorse_lightning.engine.activation_offload import ActivationOffload
 from zorse_lightning.module.block_output import activation_of
 from zorse_lightning.module.blocks import BlockList, StageOutput
 from zorse_lightning.module.cut_analysis import CutAnalysis
@@ -140,6 +141,8 @@ class StageCut:
         self.incoming: torch.Tensor | None = None
         self.active = self.chunks[0]
         """The stage the running action belongs to (set by the executor before each)."""
+        self.offload = ActivationOffload(self.device) if self.stage.offload_activations else None
+        """The stage's activation offload (its blocks' saved tensors in host memory), where the plan asks for it."""
 
     def layers_of(self, stage: int) -> tuple[int, int]:
         return self.plan.stages[stage].layers
@@ -191,7 +194,7 @@ class StageCut:
         release_parameters(self.root, self.is_local)
         self._free_outside_buffers()
         for index, block in enumerate(self.blocks.blocks):
-            block.forward = self._block_forward(index, block.forward)
+            block.forward = self._block_forward(index, block, block.forward)
         for stage in self.chunks:
             if stage > 0:
                 start = self.layers_of(stage)[0]
@@ -252,8 +255,8 @@ class StageCut:
 
         return swap_in
 
-    def _block_forward(self, index: int, original: Callable) -> Callable:
-        compute = checkpoint_forward(original) if self.stage.recompute else original
+    def _block_forward(self, index: int, block: nn.Module, original: Callable) -> Callable:
+        compute = kept_activations_forward(self.offload, index, block, original) if self.stage.recompute or self.offload else original
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             start, end = self.layers_of(self.active)
@@ -270,6 +273,12 @@ class StageCut:
             return output
 
         return forward
+
+
+def kept_activations_forward(offload: ActivationOffload | None, index: int, block: nn.Module, original: Callable) -> Callable:
+    """Block ``index``'s forward as its stage keeps activations for the backward: in host memory where it
+    offloads them (``offload``), else recomputed (the stage's blocks and a one-stage plan's alike)."""
+    return offload.wrap(index, block, original) if offload is not None else checkpoint_forward(original)
 
 
 def checkpoint_forward(original: Callable) -> Callable:

@@ -25,7 +25,8 @@ from torch import nn
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine import gradients
 from zorse_lightning.module.blocks import BlockList, CutError, StageOutput, find_block_list
-from zorse_lightning.engine.cutting import StageCut, checkpoint_forward, release_module
+from zorse_lightning.engine.activation_offload import ActivationOffload
+from zorse_lightning.engine.cutting import StageCut, kept_activations_forward, release_module
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport, post_batches
@@ -116,6 +117,8 @@ class PipelineEngine:
         self._prepared = False
         self._local: list[nn.Parameter] | None = None
         """:meth:`local_parameters` once the stage is placed."""
+        self.offload: ActivationOffload | None = None
+        """This rank's activation offload, where its stage has one (set at :meth:`prepare`)."""
 
     # -- preparation --------------------------------------------------------------------
 
@@ -140,11 +143,12 @@ class PipelineEngine:
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
         blocks = None
-        if self.is_pipelined or self._gathers_per_microbatch or self._recomputes_whole_module:
+        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations:
             blocks = find_block_list(self.module, self.block_path)
-        if self._recomputes_whole_module:  # a pipeline's cut recomputes its own blocks
-            for block in blocks.blocks:
-                block.forward = checkpoint_forward(block.forward)
+        if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
+            self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
+            for index, block in enumerate(blocks.blocks):
+                block.forward = kept_activations_forward(self.offload, index, block, block.forward)
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
             # Under NCCL the first use of a group makes its communicator and must include every rank;
@@ -155,6 +159,7 @@ class PipelineEngine:
         elif self.is_pipelined:
             self.cut = StageCut(self.module, blocks, analysis, self.plan, self.groups.stage_index, self.device)
             self.cut.apply()
+            self.offload = self.cut.offload
             self._holders = dict(self.cut.holders)
         else:
             everyone = frozenset({0})
@@ -177,8 +182,10 @@ class PipelineEngine:
         self._prepared = True
 
     @property
-    def _recomputes_whole_module(self) -> bool:
-        return not self.is_pipelined and not self.groups.is_idle and self.groups.stage.recompute
+    def _keeps_whole_module_activations(self) -> bool:
+        """A one-stage plan that recomputes or offloads its blocks' activations."""
+        stage = None if self.is_pipelined or self.groups.is_idle else self.groups.stage
+        return stage is not None and (stage.recompute or stage.offload_activations)
 
     @property
     def _gathers_per_microbatch(self) -> bool:

@@ -46,6 +46,12 @@ class StagePlan:
     shard_fractions: tuple[float, ...] = ()
     """Share of the stage's sharded state each rank holds (sums to 1); empty: even shares."""
     recompute: bool = False
+    offload_activations: bool = False
+    """Keep what backward needs of the stage's blocks in host memory between a microbatch's forward and its
+    backward (copied out as the forward saves it, brought back one block ahead of the backward): a small GPU
+    then holds one microbatch's activations at a time instead of every microbatch in flight, at the price
+    of the copies over its host link (:mod:`~zorse_lightning.planner.cost.offload`). Not with ``recompute``
+    yet (which keeps only the block inputs)."""
     gather_per_microbatch: bool = False
     """``full`` sharding only: each block's parameters are gathered for each microbatch's forward and
     backward and freed after them (least memory, most traffic); otherwise all of the stage's parameters
@@ -89,6 +95,13 @@ class StagePlan:
 
     def effective_shard_fractions(self) -> tuple[float, ...]:
         return self.shard_fractions or tuple(1.0 / len(self.ranks) for _ in self.ranks)
+
+    @property
+    def activations_label(self) -> str:
+        """What the stage does with its activations between forward and backward, as reports print it."""
+        if self.offload_activations:
+            return "offload"
+        return "recompute" if self.recompute else "keep"
 
     @property
     def sharding_label(self) -> str:
@@ -195,6 +208,11 @@ class Plan:
                 len(stage.shard_fractions) != len(stage.ranks) or abs(sum(stage.shard_fractions) - 1) > 1e-6
             ):
                 yield f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1"
+            if stage.offload_activations and stage.recompute:
+                yield (
+                    f"{where}: offload_activations with recompute (offloading only the block inputs) is not "
+                    f"supported yet; choose one of them"
+                )
             if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
                 yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
             if stage.gather_per_microbatch and len(self.stages) > GATHER_PER_MICROBATCH_MAX_STAGES:

@@ -64,7 +64,7 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
             " ".join(map(str, stage.microbatches_per_rank)),
             _grouped(memory) if len(set(memory)) < len(memory) else " ".join(memory),
             _grouped(times) if len(set(times)) < len(times) else " ".join(times),
-            stage.sharding_label + (" +recompute" if stage.recompute else ""),
+            stage.sharding_label + ("" if stage.activations_label == "keep" else f" +{stage.activations_label}"),
         )
     if plan.idle_ranks:
         gpus = [ctx.inventory.gpus[r] for r in plan.idle_ranks]

@@ -1,0 +1,62 @@
+"""The activation offload's hooks in one process: what they copy, what they leave, and the order they
+bring block calls back (multi-process exactness is in test_engine_exactness.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zorse_lightning.engine.activation_offload import ActivationOffload
+
+
+def _blocks() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+
+def _gradients(blocks: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
+    for block in blocks:
+        x = block(x)
+    x.square().sum().backward()
+    return [p.grad.clone() for p in blocks.parameters()]
+
+
+def test_offloaded_blocks_give_the_same_gradients_and_copy_no_weight():
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = _gradients(_blocks(), x)
+    blocks, offload = _blocks(), ActivationOffload(torch.device("cpu"))
+    for index, block in enumerate(blocks):
+        block.forward = offload.wrap(index, block, block.forward)
+    offloaded = _gradients(blocks, x)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    # Per block: the linear's input and the tanh's output (4 x 8 float32 each); its weight stays put.
+    assert offload.offloaded_bytes == 3 * 2 * 4 * 8 * 4
+
+
+def test_the_block_before_is_brought_back_before_the_backward_reaches_it():
+    offload, blocks = ActivationOffload(torch.device("cpu")), _blocks()
+    events: list[tuple[str, int]] = []
+    block_of: dict[int, int] = {}
+    load, unpack = offload._load, offload._unpack
+
+    def recorded_load(call):
+        if call.loaded is None:
+            events.append(("load", block_of[id(call)]))
+        load(call)
+
+    def recorded_unpack(packed):
+        if isinstance(packed, tuple):  # not a weight, which stays where it is
+            events.append(("unpack", block_of[id(packed[0])]))
+        return unpack(packed)
+
+    offload._load, offload._unpack = recorded_load, recorded_unpack  # before the forward installs the hooks
+    for index, block in enumerate(blocks):
+        block.forward = offload.wrap(index, block, block.forward)
+    x = torch.randn(2, 8)
+    for index, block in enumerate(blocks):
+        x = block(x)
+        block_of[id(offload._last[1])] = index
+    x.sum().backward()
+    for index in (1, 0):
+        assert events.index(("load", index)) < events.index(("unpack", index)), events
+    assert events[:3] == [("unpack", 2), ("load", 2), ("load", 1)], events
