@@ -46,7 +46,10 @@ heuristic split it started from and its own solution, both priced).
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from zorse_lightning.capabilities import GATHER_PER_MICROBATCH_MAX_STAGES, Schedule, Sharding
@@ -96,6 +99,29 @@ def make_plan(
     """The fastest plan the search finds; raises :class:`PlanningError` when none fits.
 
     ``programs``, when given, receives a :class:`ProgramRun` per integer program solved."""
+    with _collector_paused():
+        return _search(inventory, profile, global_batch_size, options, programs)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while the search runs (as it was after). The search allocates millions
+    of small records (plans, actions, events) that reference counting frees, and the collector walked every
+    live one, the simulated timelines among them, again and again: 10 % of planning at 32 GPUs, 11 % at
+    1024 (CPU time, this 2-core machine)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions,
+    programs: ProgramLog | None,
+) -> Plan:
     started = time.perf_counter()
     _check_inputs(inventory, profile, global_batch_size, options)
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
