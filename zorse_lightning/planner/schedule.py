@@ -186,9 +186,9 @@ def _one_f_one_b_programs(
 class _RankPlay:
     """One rank's progress during :func:`_one_f_one_b_programs` (local to it).
 
-    Which of its actions are ready is kept as the play goes (:attr:`arrived`, fed by the heads of
-    its channels): looking for a ready forward among every pending one, each step, made recording
-    quadratic in the microbatches."""
+    Which of its actions are ready is kept as the play goes (:attr:`arrived`, :attr:`backwardable`,
+    fed by the heads of its channels): looking for a ready forward among every pending one, each step,
+    made recording quadratic in the microbatches."""
 
     chunks: tuple[int, ...]
     """The rank's stages, in layer order."""
