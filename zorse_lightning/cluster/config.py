@@ -54,6 +54,8 @@ class MachineSpec:
     datacenter: str = "dc0"
     intra_latency_us: Optional[float] = None
     """Default: the cluster's ``latencies.intra_machine_us``."""
+    host_memory_gib: Optional[float] = None
+    """The machine's RAM; default: twice its GPUs' memory (see ``Machine.host_memory_gib``)."""
 
 
 @dataclass
@@ -142,6 +144,7 @@ def _machine(spec: dict, catalog: GpuCatalog, cluster_name: str) -> Machine:
         datacenter=spec.get("datacenter", "dc0"),
         memory_budget_gib=tuple(budgets),
         intra_latency_us=spec.get("intra_latency_us"),
+        host_memory_gib=spec.get("host_memory_gib"),
     )
 
 

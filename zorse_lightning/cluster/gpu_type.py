@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zorse_lightning.errors import InventoryError
+from zorse_lightning.units import gb_per_s_to_gbps
+
+PCIE3_X16_GBPS = gb_per_s_to_gbps(16)
+"""A PCIe 3.0 x16 link, each way (16 GB/s as sold; about 12 measured): the host link a type has unless it says."""
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,17 @@ class GpuType:
     """Device memory bandwidth, gigabits per second."""
     peer_bandwidth_gbps: float
     """Typical GPU-to-GPU bandwidth inside one machine (NVLink or PCIe)."""
+    host_link_gbps: float = PCIE3_X16_GBPS
+    """Bandwidth between the GPU and its host's memory, each way (PCIe 3/4/5 x16: 16/32/64 GB/s): what activation
+    offload's copies cost. The oldest of the three unless given, so that an unknown type's copies are not priced
+    as cheaper than they are."""
     aliases: tuple[str, ...] = field(default=())
     """Other spellings: marketing names and ``torch.cuda.get_device_name`` strings."""
     from_datasheet: bool = True
     """False for entries guessed from a detected device the catalog lacks."""
 
     def __post_init__(self) -> None:
-        for field_name in ("memory_gib", "fp16_tflops", "memory_bandwidth_gbps", "peer_bandwidth_gbps"):
+        for field_name in ("memory_gib", "fp16_tflops", "memory_bandwidth_gbps", "peer_bandwidth_gbps", "host_link_gbps"):
             value = getattr(self, field_name)
             if not value > 0:
                 raise InventoryError(

@@ -16,6 +16,14 @@ from itertools import combinations
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.errors import InventoryError
 
+HOST_MEMORY_PER_GPU_MEMORY = 2.0
+"""Host memory a machine has per byte of its GPUs' memory unless its entry says (NVIDIA's sizing for DGX
+systems: at least twice the GPU memory; emulated machines scale with their budgets alike)."""
+
+PINNED_SHARE_OF_HOST = 0.5
+"""Pinned host memory cannot be swapped out: what a run pins (activation offload's buffers, survivor
+snapshots) may take at most this share of a machine's host memory."""
+
 
 class LinkKind(str, Enum):
     """Where a link between two GPUs runs; decides its default bandwidth and latency."""
@@ -50,6 +58,9 @@ class Machine:
     intra_latency_us: float | None = None
     """Per-message latency between this machine's GPUs (None: the cluster's ``latencies.intra_machine_us``);
     start-up raises it to what its ranks measure where that is later."""
+    host_memory_gib: float | None = None
+    """Host memory (RAM) all of the machine's processes share; None: :data:`HOST_MEMORY_PER_GPU_MEMORY` times
+    its GPUs' memory. Activation offload keeps its copies there (:attr:`pinnable_host_gib`)."""
 
     def __post_init__(self) -> None:
         if not self.gpu_types:
@@ -65,6 +76,8 @@ class Machine:
             )
         for budget in self.memory_budget_gib:
             _check_positive(f"machine {self.name!r}: memory_gib", budget)
+        if self.host_memory_gib is not None:
+            _check_positive(f"machine {self.name!r}: host_memory_gib (its RAM; leave it out for the default)", self.host_memory_gib)
         if self.intra_latency_us is not None and not (
             isinstance(self.intra_latency_us, (int, float)) and self.intra_latency_us >= 0
         ):
@@ -72,6 +85,14 @@ class Machine:
                 f"machine {self.name!r}: intra_latency_us={self.intra_latency_us!r} must be a number of "
                 f"microseconds >= 0; give the figure, or leave it out for the cluster's latencies.intra_machine_us"
             )
+
+    @property
+    def pinnable_host_gib(self) -> float:
+        """Host memory the machine's processes may pin together (:data:`PINNED_SHARE_OF_HOST` of its RAM)."""
+        memory = self.host_memory_gib
+        if memory is None:
+            memory = HOST_MEMORY_PER_GPU_MEMORY * sum(g.memory_gib for g in self.gpus)
+        return PINNED_SHARE_OF_HOST * memory
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:

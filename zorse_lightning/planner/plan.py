@@ -46,16 +46,16 @@ class StagePlan:
     shard_fractions: tuple[float, ...] = ()
     """Share of the stage's sharded state each rank holds (sums to 1); empty: even shares."""
     recompute: bool = False
-    offload_activations: bool = False
-    """Keep what backward needs of the stage's blocks in host memory between a microbatch's forward and its
-    backward (copied out as the forward saves it, brought back one block ahead of the backward): a small GPU
-    then holds one microbatch's activations at a time instead of every microbatch in flight, at the price
-    of the copies over its host link (:mod:`~zorse_lightning.planner.cost.offload`). Not with ``recompute``
-    yet (which keeps only the block inputs)."""
     gather_per_microbatch: bool = False
     """``full`` sharding only: each block's parameters are gathered for each microbatch's forward and
     backward and freed after them (least memory, most traffic); otherwise all of the stage's parameters
     are gathered once before its first microbatch of a step and kept for all of them."""
+    offload_activations: bool = False
+    """Keep what backward needs of the stage's blocks in host memory between a microbatch's forward and its
+    backward (copied out as the forward saves it, brought back one block ahead of the backward): a small GPU
+    then holds one microbatch's activations at a time instead of every microbatch in flight, at the price
+    of the copies over its host link (:meth:`~zorse_lightning.planner.cost.context.CostContext.offload_copy_ms`). Not with ``recompute``
+    yet (which keeps only the block inputs)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding(self.sharding))
@@ -118,6 +118,8 @@ class Prediction:
     """Predicted peak per global rank."""
     profile_source: dict[str, str]
     """GPU type -> where its times came from (measured, reference, estimated...)."""
+    host_memory_gib: tuple[float, ...] = ()
+    """Pinned host memory per global rank (activation offload's copies); empty: the plan offloads nothing."""
     closed_form_ms: float | None = None
     """The cost model's closed form, which the search ranks candidates by, where ``iteration_ms`` is the
     simulation of the engine's programs (:func:`~zorse_lightning.planner.cost.simulate.with_simulated_prediction`);
@@ -293,6 +295,7 @@ class Plan:
         if data.get("predicted") is not None:
             predicted = dict(data["predicted"])
             predicted["memory_gib"] = tuple(predicted["memory_gib"])
+            predicted["host_memory_gib"] = tuple(predicted.get("host_memory_gib", ()))
             data["predicted"] = Prediction(**predicted)
         data["solver"] = SolverRecord(**data.get("solver", {}))
         return cls(**data)

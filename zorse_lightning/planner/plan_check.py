@@ -16,7 +16,7 @@ from pathlib import Path
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.cost.memory import stage_state_bytes
+from zorse_lightning.planner.cost.memory import host_memory_overruns, stage_state_bytes
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.units import bytes_to_gib
@@ -86,6 +86,15 @@ def check_predicted_memory(plan: Plan, inventory: ClusterInventory) -> None:
                 f"the plan predicts {need_gib:.2f} GiB on rank {rank}, but that {gpus[rank].gpu_type.name} "
                 f"has {have_gib:.2f} GiB; re-plan for this cluster (the plan was made for other memory budgets)"
             )
+    over = host_memory_overruns(inventory, dict(enumerate(plan.predicted.host_memory_gib)))
+    for machine, excess_gib in over.items():
+        allowed = next(m for m in inventory.machines if m.name == machine).pinnable_host_gib
+        raise PlanningError(
+            f"the plan's activation offload would pin {allowed + excess_gib:.2f} GiB of host memory on machine "
+            f"{machine!r}, more than the {allowed:.2f} GiB it may pin (half its host_memory_gib: pinned memory cannot "
+            f"be swapped out); re-plan with fewer microbatches in flight or without offload on that machine's stages, "
+            f"or give the machine's real host_memory_gib in the cluster config"
+        )
 
 
 def _check_cut(plan: Plan, blocks: ModelBlocks, inventory: ClusterInventory | None) -> None:

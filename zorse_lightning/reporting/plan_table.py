@@ -43,6 +43,11 @@ def _layers(stage: StagePlan) -> str:
     return f"{stage.layers[0]}-{stage.layers[1] - 1}"
 
 
+def _host(host_bytes: float) -> str:
+    """What a rank that offloads activations pins in host memory, beside its GPU memory."""
+    return f" +{bytes_to_gib(host_bytes):.3g} host" if host_bytes else ""
+
+
 def plan_table(plan: Plan, ctx: CostContext) -> Table:
     cost = plan_cost(ctx, plan)
     table = Table(title=f"plan for {plan.model} on {plan.cluster}: {plan.schedule.value}, microbatch {plan.microbatch_size}, "
@@ -52,7 +57,8 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
     for index, (stage, stage_cost) in enumerate(zip(plan.rank_groups, cost.stages)):
         chunks = plan.stages_of_group(index)
         memory = [
-            f"{bytes_to_gib(m.total_bytes):.3g}/{ctx.inventory.gpus[r].memory_gib:g}" for r, m in zip(stage.ranks, stage_cost.memory)
+            f"{bytes_to_gib(m.total_bytes):.3g}/{ctx.inventory.gpus[r].memory_gib:g}" + _host(m.host_bytes)
+            for r, m in zip(stage.ranks, stage_cost.memory)
         ]
         times = [f"{sum(cost.stages[s].times[k].total_ms for s in chunks):.1f}" for k in range(len(stage.ranks))]
         layers = sum(plan.stages[s].num_layers for s in chunks)

@@ -60,6 +60,7 @@ from torch import nn
 from zorse_lightning.engine.checkpoint.files import WEIGHTS_ONLY_RULE, NotWeightsOnlyError
 from zorse_lightning.engine.checkpoint.shards import held_module_state, held_optimizer_state
 from zorse_lightning.engine.checkpoint.host_copies import CopyDone, HostCopy, copy_to_host, held_on_device, lives_off_host
+from zorse_lightning.cluster.inventory import PINNED_SHARE_OF_HOST
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.materialize import holds_values
 
@@ -375,13 +376,9 @@ def snapshot_interval(cost_ms: float, step_ms: float, max_cost: float) -> int:
     return max(1, math.ceil(cost_ms / (max_cost * step_ms)))
 
 
-PINNED_SHARE_OF_HOST = 0.5
-"""Pinned host memory cannot be swapped out: snapshots may take at most this share of what is available."""
-
-
 def check_host_memory(held_bytes: int, processes: int, available_bytes: int | None = None) -> None:
     """Each of this machine's ``processes`` pins two copies of its ``held_bytes`` for snapshots: refuse a run
-    that would pin more than :data:`PINNED_SHARE_OF_HOST` of the available host memory."""
+    that would pin more than :data:`~zorse_lightning.cluster.inventory.PINNED_SHARE_OF_HOST` of the available host memory."""
     available = host_bytes_available() if available_bytes is None else available_bytes
     needed = 2 * held_bytes * processes
     if needed > PINNED_SHARE_OF_HOST * available:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.cost.comm import LinkTable
-from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbatch_times
-from zorse_lightning.planner.cost.memory import RankMemory, reserve_gib
+from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbatch_times, with_offload_copies
+from zorse_lightning.planner.cost.memory import RankMemory, offloaded_bytes_per_microbatch, reserve_gib
 from zorse_lightning.profiling.profile import ModelProfile
-from zorse_lightning.units import gib_to_bytes
+from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,26 @@ class CostContext:
     memory and its simulation (a play of the 1F1B schedule takes seconds at 1024 GPUs)."""
 
     def microbatch_times(
-        self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool
+        self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool,
+        offload: bool = False,
     ) -> MicrobatchTimes:
-        """:func:`stage_microbatch_times` of this context's profile, computed once per arguments."""
-        key = (gpu_type, layers, microbatch_size, first, last, recompute)
+        """:func:`stage_microbatch_times` of this context's profile, computed once per arguments; ``offload``:
+        with the activation copies over the type's host link (:func:`with_offload_copies`)."""
+        key = (gpu_type, layers, microbatch_size, first, last, recompute, offload)
         if key not in self._microbatch_times:
-            self._microbatch_times[key] = stage_microbatch_times(
+            times = stage_microbatch_times(
                 self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
                 action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
             )
+            if offload:
+                times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size))
+            self._microbatch_times[key] = times
         return self._microbatch_times[key]
+
+    def offload_copy_ms(self, gpu_type: str, layers: tuple[int, int], microbatch_size: int) -> float:
+        """One way of one microbatch's activation copies on a stage of ``layers`` at ``gpu_type``'s host link."""
+        link_gbps = next(t.host_link_gbps for t in self.inventory.gpu_types if t.name == gpu_type)
+        return offloaded_bytes_per_microbatch(self.profile, layers, microbatch_size) / gbps_to_bytes_per_s(link_gbps) * 1000.0
 
     def fastest_layer_ms(self, gpu_type: str, microbatch_size: int) -> float:
         """Forward plus backward of one microbatch through the fastest layer of the profile on ``gpu_type``:

@@ -31,7 +31,10 @@ from zorse_lightning.planner.cost.memory import (
     StageParameters,
     activation_bytes_per_microbatch,
     combined_parameters,
+    host_memory_overruns,
     microbatches_in_flight,
+    offload_working_bytes,
+    offloaded_bytes_per_microbatch,
     shard_fractions_by_free_memory,
     stage_parameter_counts,
     optimizer_step_bytes,
@@ -100,7 +103,7 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) ->
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
     by_type = {
-        t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute)
+        t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute, stage.offload_activations)
         for t in set(stage.gpu_types)
     }
     times = tuple(by_type[t] for t in stage.gpu_types)
@@ -178,20 +181,25 @@ def stage_memory(
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
+        host_peaks = rank_activation_bytes(ctx, plan, stage.ranks, host=True)
         last_stage = len(plan.stages) - 1
+        chunks = plan.stages_of_group(plan.group_of_stage(index))
         running = max(
             transient_bytes(ctx.profile, plan.microbatch_size, first=s == 0, last=s == last_stage)
-            for s in plan.stages_of_group(plan.group_of_stage(index))
+            + _working_bytes(ctx, plan, plan.stages[s])
+            for s in chunks
         )
         return tuple(
-            RankMemory(held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n))
-            for r, fraction, peak, n in zip(stage.ranks, fractions, peaks, stepped)
+            RankMemory(held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n), host)
+            for r, fraction, peak, n, host in zip(stage.ranks, fractions, peaks, stepped, host_peaks)
         )
     first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
-        ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute
+        ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute,
+        offload=stage.offload_activations,
     )
-    running = transient_bytes(ctx.profile, plan.microbatch_size, first=first, last=last)
+    host_per_microbatch = _host_bytes(ctx, plan, stage)
+    running = transient_bytes(ctx.profile, plan.microbatch_size, first=first, last=last) + _working_bytes(ctx, plan, stage)
     widths, schedule = tuple(len(s.ranks) for s in plan.stages), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
@@ -200,10 +208,23 @@ def stage_memory(
         if key not in alike:
             flight = microbatches_in_flight(schedule, widths, index, n)
             alike[key] = RankMemory(
-                held, sharded * fraction, per_microbatch * flight + running, key[2], optimizer_step_bytes(ctx.profile, updated)
+                held, sharded * fraction, per_microbatch * flight + running, key[2], optimizer_step_bytes(ctx.profile, updated),
+                host_per_microbatch * flight,
             )
         out.append(alike[key])
     return tuple(out)
+
+
+def _host_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
+    """What one microbatch of ``stage`` keeps in host memory (nothing unless it offloads)."""
+    if not stage.offload_activations:
+        return 0.0
+    return offloaded_bytes_per_microbatch(ctx.profile, stage.layers, plan.microbatch_size)
+
+
+def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
+    """What an offloading ``stage``'s running microbatch brings back to the device (nothing unless it offloads)."""
+    return offload_working_bytes(ctx.profile, stage.layers, plan.microbatch_size) if stage.offload_activations else 0.0
 
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
@@ -215,15 +236,19 @@ def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...],
     return ctx._programs[key]
 
 
-def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...]) -> tuple[float, ...]:
+def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], host: bool = False) -> tuple[float, ...]:
     """Each of ``ranks``' peak of activations over its own program (:func:`schedule_programs`,
     which the engine runs): a forward keeps its chunk's activations of one microbatch until that
     chunk's backward of it frees them. Interleaved plans only: how many chunk-forwards a rank holds
     at once comes from the recorded play of its schedule, not from a formula (plain plans keep
-    :func:`microbatches_in_flight`, which their programs follow and which costs no play)."""
+    :func:`microbatches_in_flight`, which their programs follow and which costs no play). ``host``:
+    the peak of what offloading chunks keep in host memory instead."""
     last = len(plan.stages) - 1
     per_microbatch = [
-        activation_bytes_per_microbatch(ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute)
+        _host_bytes(ctx, plan, s) if host else activation_bytes_per_microbatch(
+            ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute,
+            offload=s.offload_activations,
+        )
         for i, s in enumerate(plan.stages)
     ]
     programs = schedule_programs(ctx, plan)
@@ -287,14 +312,30 @@ def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tup
 
 def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:
     """(stage index, rank, GiB over capacity) for every rank that does not fit (interleaved: the
-    index of its group, whose chunks' memory its first stage's cost holds)."""
+    index of its group, whose chunks' memory its first stage's cost holds); and for every rank that
+    pins host memory on a machine whose ranks together pin more than it allows
+    (:attr:`~zorse_lightning.cluster.inventory.Machine.pinnable_host_gib`), the machine's excess."""
     over = []
     for index, (stage, stage_cost_) in enumerate(zip(plan.rank_groups, cost.stages)):
         for rank, memory in zip(stage.ranks, stage_cost_.memory):
             excess = memory.total_bytes - ctx.capacity_bytes(rank)
             if excess > 0:
                 over.append((index, rank, bytes_to_gib(excess)))
+    excess_by_machine = host_memory_overruns(ctx.inventory, _host_gib_by_rank(plan, cost))
+    for index, (stage, stage_cost_) in enumerate(zip(plan.rank_groups, cost.stages)):
+        for rank, memory in zip(stage.ranks, stage_cost_.memory):
+            machine = ctx.inventory.gpus[rank].machine
+            if memory.host_bytes > 0 and machine in excess_by_machine:
+                over.append((index, rank, excess_by_machine[machine]))
     return over
+
+
+def _host_gib_by_rank(plan: Plan, cost: PlanCost) -> dict[int, float]:
+    return {
+        rank: bytes_to_gib(memory.host_bytes)
+        for stage, stage_cost_ in zip(plan.rank_groups, cost.stages)
+        for rank, memory in zip(stage.ranks, stage_cost_.memory)
+    }
 
 
 def prediction(ctx: CostContext, plan: Plan, cost: PlanCost) -> Prediction:
@@ -303,9 +344,11 @@ def prediction(ctx: CostContext, plan: Plan, cost: PlanCost) -> Prediction:
         for rank, rank_memory in zip(stage.ranks, stage_cost_.memory):
             memory[rank] = round(bytes_to_gib(rank_memory.total_bytes), 4)
     types = {t for s in plan.stages for t in s.gpu_types}
+    host = _host_gib_by_rank(plan, cost)
     return Prediction(
         iteration_ms=cost.iteration_ms,
         samples_per_s=plan.global_batch_size / cost.iteration_ms * 1000.0,
         memory_gib=tuple(memory),
+        host_memory_gib=tuple(round(host.get(r, 0.0), 4) for r in range(plan.world_size)) if any(host.values()) else (),
         profile_source={t: ctx.profile.times(t).source.value for t in sorted(types)},
     )

@@ -30,9 +30,11 @@ engine assigns whole parameters to owners by ``shard_fractions``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
 
@@ -159,7 +161,8 @@ def stage_parameter_counts(profile: ModelProfile, layers: tuple[int, int], *, fi
 
 
 def activation_bytes_per_microbatch(
-    profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool
+    profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool,
+    offload: bool = False,
 ) -> float:
     """Bytes one microbatch keeps on the stage between its forward and its backward.
 
@@ -167,14 +170,19 @@ def activation_bytes_per_microbatch(
     and the backward of one layer at a time rebuilds that layer's activations,
     hence the largest layer's activations once on top. Embedding and head are not
     recomputed. Each block's bytes per microbatch (autocast's weight copies) count
-    once per microbatch, whatever its size.
+    once per microbatch, whatever its size. With offload the layers keep nothing on
+    the device but the stage's output (held for its gradient); what they save is in
+    host memory (:func:`offloaded_bytes_per_microbatch`), and the microbatch whose
+    backward runs holds :func:`offload_working_bytes` besides.
     """
     start, end = layers
     edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
     per_sample = sum(b.activation_bytes_per_sample for b in edges)
     fixed = sum(b.activation_bytes_per_microbatch for b in edges)
     chosen = profile.layers[start:end]
-    if recompute:
+    if offload:
+        per_sample += chosen[-1].output_bytes_per_sample
+    elif recompute:
         inputs = [profile.layers[i - 1] if i > 0 else profile.embedding for i in range(start, end)]
         per_sample += sum(b.output_bytes_per_sample for b in inputs)
         largest = max(chosen, key=lambda b: b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch)
@@ -184,6 +192,32 @@ def activation_bytes_per_microbatch(
         per_sample += sum(b.activation_bytes_per_sample for b in chosen)
         fixed += sum(b.activation_bytes_per_microbatch for b in chosen)
     return per_sample * microbatch_size + fixed
+
+
+def offloaded_bytes_per_microbatch(profile: ModelProfile, layers: tuple[int, int], microbatch_size: int) -> float:
+    """Bytes one microbatch's forward copies to host memory on a stage that offloads: what its layers keep
+    for the backward (the embedding and head keep theirs on the device)."""
+    chosen = profile.layers[layers[0] : layers[1]]
+    return sum(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in chosen)
+
+
+def offload_working_bytes(profile: ModelProfile, layers: tuple[int, int], microbatch_size: int) -> float:
+    """Device bytes of an offloading stage's running microbatch: the saved tensors of the block whose
+    backward runs and of the one brought back ahead of it (the engine prefetches one block), at most
+    twice the largest layer's."""
+    largest = max(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in profile.layers[layers[0] : layers[1]])
+    return 2.0 * largest
+
+
+def host_memory_overruns(inventory: ClusterInventory, host_gib_by_rank: Mapping[int, float]) -> dict[str, float]:
+    """Machine -> GiB its ranks would pin beyond :attr:`~zorse_lightning.cluster.inventory.Machine.pinnable_host_gib`
+    (activation offload's buffers; ``host_gib_by_rank``: what each rank pins), for the machines over it."""
+    over = {}
+    for machine in inventory.machines:
+        pinned = sum(host_gib_by_rank.get(r, 0.0) for r in inventory.ranks_by_machine[machine.name])
+        if pinned > machine.pinnable_host_gib:
+            over[machine.name] = pinned - machine.pinnable_host_gib
+    return over
 
 
 def transient_bytes(profile: ModelProfile, microbatch_size: int, *, first: bool, last: bool) -> float:
@@ -245,6 +279,9 @@ class RankMemory:
     step_bytes: float = 0.0
     """The optimizer step's temporaries (:func:`optimizer_step_bytes`): held after the last backward, when
     the activations are freed, so the peak holds the larger of the two."""
+    host_bytes: float = 0.0
+    """Pinned host memory of the rank's offloaded activations at its peak (not on the device: not in
+    :attr:`total_bytes`); the machine's ranks share its host memory."""
 
     @property
     def total_bytes(self) -> float:
