@@ -181,7 +181,8 @@ def stage_memory(
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
-        host_peaks = rank_activation_bytes(ctx, plan, stage.ranks, host=True)
+        offloads = any(s.offload_activations for s in plan.stages)  # a play of the programs costs seconds at 1024 GPUs
+        host_peaks = rank_activation_bytes(ctx, plan, stage.ranks, host=True) if offloads else (0.0,) * len(stage.ranks)
         last_stage = len(plan.stages) - 1
         chunks = plan.stages_of_group(plan.group_of_stage(index))
         running = max(
