@@ -14,10 +14,9 @@ program times the ranks each step of the recording looks at: about 8 us a unit o
 10 to 30 ms a candidate at 32 GPUs and 64 microbatches), so a plan too large to simulate within planning time
 (:data:`.interleave_choice.MOST_RECORDING_WORK`), and one whose stage gathers parameters per microbatch
 (the simulation does not play those gathers; the closed form prices them in lockstep), keeps its closed
-form: :func:`price` is the one pricing of every plan and baseline. The search itself simulates only plans
-of at most :data:`MOST_SEARCH_WORK` and, beyond :data:`SEARCH_WORK` in all, ranks the rest by their
-closed form (the ranking before simulation did, the final plan still simulated): at 512 GPUs each new
-leading plan cost up to ``2^21`` units (seconds) and the lead changed many times.
+form: :func:`price` is the one pricing of every plan and baseline. Beyond :data:`SEARCH_WORK` in all, the
+search ranks the plans it holds by their closed form (the final plan still simulated): at 512 GPUs each
+new leading plan costs up to ``2^20`` units and the lead changes many times.
 
 A plan that leaves GPUs idle wastes hardware the user has, and no prediction of it is more exact than
 of the plan using every GPU (fidelity benches: within a few per cent), so a tie is no reason to leave
@@ -45,15 +44,13 @@ MOST_SIMULATED_WORK = 2**21
 """Largest ``2 V M R`` of a plan the search simulates (the limit of
 :data:`.interleave_choice.MOST_RECORDING_WORK`: about 8 s of recording at 1024 GPUs); larger plans keep
 the closed form and their note says so."""
-MOST_SEARCH_WORK = 2**17
-"""Largest ``2 V M R`` of a plan :meth:`Choice.settle` simulates during the search (about 1 s): every plan
-of the shipped clusters (at most ``2^16``: 32 GPUs, 1024 microbatches), the plans of a few hundred GPUs
-at the larger microbatch sizes. Larger plans are ranked by their closed form, and the plan returned is
-simulated as every plan is (:func:`price`, up to :data:`MOST_SIMULATED_WORK`)."""
-SEARCH_WORK = 2**19
-"""Work :meth:`Choice.settle` may spend in all (about 4 s at 8 us a unit): beyond it the plans held keep
-their closed form. The cases of ``bench/plan_quality.py`` (every shipped cluster) spend at most 184,320;
-``bench/plan_scaling.py``'s 128 GPUs about 450,000 (with 2^18 its plan came out 6 % slower)."""
+SEARCH_WORK = 2**23
+"""Work :meth:`Choice.settle` may spend in all: beyond it the plans held keep their closed form. A bound on
+the worst case, not a setting of the search: the cases measured spend less (``bench/plan_quality.py``, every
+shipped cluster, at most 184,320; ``bench/plan_scaling.py`` 450,000 at 128 GPUs, 2.2 M at 512 (planning 27 s
+here), 6.0 M at 1024 (33 s: ``2 V M R`` overcounts deep pipelines, whose ranks each play a share)). Tighter
+budgets rank more plans by a closed form that disagrees by up to 28 % there and lose plans: at ``2^19``
+the 512-GPU plan came out 33 % slower in its simulation, at ``2^22`` the 1024-GPU one 7 %."""
 FINALIST_WORK = 2**14
 """Work (``2 V M R`` summed) :meth:`Choice.finalists` may spend simulating plans beyond those
 :meth:`Choice.settle` had to: 40 candidates of 32 GPUs at 64 microbatches, about 0.15 s here (8 us a unit)
@@ -83,11 +80,6 @@ def price(ctx: CostContext, plan: Plan) -> Plan:
 def is_priced(plan: Plan) -> bool:
     """Whether ``plan``'s prediction is final (:func:`price` would not change it)."""
     return plan.predicted.closed_form_ms is not None or not simulable(plan)
-
-
-def searchable(plan: Plan) -> bool:
-    """Whether the search simulates ``plan`` to rank it (:data:`MOST_SEARCH_WORK`)."""
-    return not is_priced(plan) and work_of(plan) <= MOST_SEARCH_WORK
 
 
 def _ms(plan: Plan) -> float:
@@ -132,11 +124,11 @@ class Choice:
     def settle(self) -> None:
         """Simulate the plans held (:attr:`chosen` and the fastest using every GPU) until both are
         simulated: a plan that the closed form ranks ahead of one already simulated is simulated in turn
-        (only plans of :data:`MOST_SEARCH_WORK` or less, within :data:`SEARCH_WORK` in all)."""
+        (within :data:`SEARCH_WORK` in all)."""
         while True:
             unsettled = [
                 p for p in (self.chosen, self.every_gpu)
-                if p is not None and searchable(p) and self.simulated_work + work_of(p) <= SEARCH_WORK
+                if p is not None and not is_priced(p) and self.simulated_work + work_of(p) <= SEARCH_WORK
             ]
             if not unsettled:
                 return
@@ -149,7 +141,7 @@ class Choice:
         if self.chosen is None:
             return
         limit = _ms(self.chosen) / (1 - IDLE_MARGIN) * CLOSED_FORM_SPREAD
-        waiting = sorted((_ms(p), i) for i, p in enumerate(self.pool) if searchable(p) and _ms(p) <= limit)
+        waiting = sorted((_ms(p), i) for i, p in enumerate(self.pool) if not is_priced(p) and _ms(p) <= limit)
         budget = FINALIST_WORK
         for _, index in waiting:
             work = work_of(self.pool[index])
