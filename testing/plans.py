@@ -69,3 +69,25 @@ def per_message_batches(plan: Plan, programs) -> list[tuple[P2PBatch, ...]]:
             mine += [P2PBatch(index + 1, (m,), ()) for m in sends]
         batches.append(tuple(mine))
     return batches
+
+
+def random_layout(
+    rng, max_world: int, max_cuts: int, max_microbatches: int, layers_per_stage: int = 1, with_idle: bool = False
+) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]], tuple[int, ...]]:
+    """Random stages for :func:`hand_plan` and the idle ranks beside them: 2 to ``max_world`` ranks in random
+    order (one left idle at random where ``with_idle`` and more than two), cut into up to ``max_cuts + 1``
+    groups, each group's ranks sharing 1 to ``max_microbatches`` microbatches unevenly (some none)."""
+    world = rng.randint(2, max_world)
+    ranks = rng.sample(range(world), world)
+    idle = tuple(ranks[: rng.randint(0, 1)]) if with_idle and world > 2 else ()
+    working = ranks[len(idle) :]
+    cuts = sorted(rng.sample(range(1, len(working)), rng.randint(0, min(max_cuts, len(working) - 1))))
+    groups = [working[a:b] for a, b in zip([0, *cuts], [*cuts, len(working)])]
+    microbatches = rng.randint(1, max_microbatches)
+    stages = []
+    for index, group in enumerate(groups):
+        counts = [0] * len(group)
+        for _ in range(microbatches):
+            counts[rng.randrange(len(group))] += 1
+        stages.append((tuple(group), tuple(counts), (index * layers_per_stage, (index + 1) * layers_per_stage)))
+    return stages, idle

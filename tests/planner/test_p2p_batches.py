@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from testing.plans import hand_plan, per_message_batches
+from testing.plans import hand_plan, per_message_batches, random_layout
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
@@ -57,23 +57,11 @@ def test_a_batch_missing_a_receive_is_refused():
 def _random_plan(rng: random.Random):
     """Widths 1-4, uneven shares (some ranks without any), idle ranks, 1-5 stages, GPipe or 1F1B, interleaving
     1-4."""
-    world = rng.randint(2, 10)
-    ranks = rng.sample(range(world), world)
-    idle = tuple(ranks[: rng.randint(0, 1)]) if world > 2 else ()
-    working = ranks[len(idle) :]
-    cuts = sorted(rng.sample(range(1, len(working)), rng.randint(0, min(4, len(working) - 1))))
-    groups = [working[a:b] for a, b in zip([0, *cuts], [*cuts, len(working)])]
-    microbatches = rng.randint(1, 16)
-    stages = []
-    for index, group in enumerate(groups):
-        counts = [0] * len(group)
-        for _ in range(microbatches):
-            counts[rng.randrange(len(group))] += 1
-        stages.append((tuple(group), tuple(counts), (index * 4, index * 4 + 4)))
+    stages, idle = random_layout(rng, max_world=10, max_cuts=4, max_microbatches=16, layers_per_stage=4, with_idle=True)
     schedule = rng.choice([Schedule.ONE_F_ONE_B, Schedule.ONE_F_ONE_B, Schedule.GPIPE])
     plan = hand_plan(stages, schedule=schedule, idle_ranks=idle)
     degree = rng.choice([1, 2, 3, 4])
-    return interleave(plan, degree) if degree > 1 and len(groups) > 1 else plan
+    return interleave(plan, degree) if degree > 1 and len(stages) > 1 else plan
 
 
 def test_no_random_plan_deadlocks_under_nccl_rules_and_the_old_order_does():

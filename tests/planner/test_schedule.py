@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from testing.plans import hand_plan
+from testing.plans import hand_plan, random_layout
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.planner.schedule import (
@@ -140,17 +140,7 @@ def test_uneven_shares_between_stages_of_different_widths_never_deadlock():
     build_schedule(plan)  # validated inside: coverage and a deadlock-free play
     rng, peaks = random.Random(0), []
     for _ in range(200):
-        world = rng.randint(2, 7)
-        ranks = rng.sample(range(world), world)
-        cuts = sorted(rng.sample(range(1, world), rng.randint(0, min(3, world - 1))))
-        groups = [ranks[a:b] for a, b in zip([0, *cuts], [*cuts, world])]
-        microbatches = rng.randint(1, 12)
-        stages = []
-        for index, group in enumerate(groups):
-            counts = [0] * len(group)
-            for _ in range(microbatches):
-                counts[rng.randrange(len(group))] += 1
-            stages.append((tuple(group), tuple(counts), (index, index + 1)))
+        stages, _ = random_layout(rng, max_world=7, max_cuts=3, max_microbatches=12)
         plan = hand_plan(stages)
         schedule = build_schedule(plan)
         widths = tuple(len(stage.ranks) for stage in plan.stages)

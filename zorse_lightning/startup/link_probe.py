@@ -79,8 +79,21 @@ HEADER_ELEMENTS = 10
 """The engine's header before each activation: dtype, dims and up to 8 sizes, int64 (:mod:`~zorse_lightning.engine.p2p`)."""
 
 
+class _AgainstConfigured:
+    """What a probe's record says against the inventory (its ``effective_gbps``, ``configured_gbps``,
+    ``message_us`` and ``configured_latency_us``): the planner takes the measured figure where it is worse."""
+
+    @property
+    def slower_than_configured(self) -> bool:
+        return self.effective_gbps < self.configured_gbps
+
+    @property
+    def later_than_configured(self) -> bool:
+        return self.message_us > self.configured_latency_us
+
+
 @dataclass(frozen=True)
-class MachineAllReduce:
+class MachineAllReduce(_AgainstConfigured):
     """One machine's probe: the slowest of its ranks' median times."""
 
     machine: str
@@ -95,14 +108,6 @@ class MachineAllReduce:
     configured_latency_us: float = 0.0
     header_us: float = 0.0
     """What the engine's host header adds to a message between its ranks, as measured."""
-
-    @property
-    def slower_than_configured(self) -> bool:
-        return self.effective_gbps < self.configured_gbps
-
-    @property
-    def later_than_configured(self) -> bool:
-        return self.message_us > self.configured_latency_us
 
     def notes(self) -> list[str]:
         """What the plan's notes say of this machine: each measurement that the planner used instead of the
@@ -124,7 +129,7 @@ class MachineAllReduce:
 
 
 @dataclass(frozen=True)
-class MachinePairProbe:
+class MachinePairProbe(_AgainstConfigured):
     """Two machines' first ranks exchanging a small message and a transfer (both ways at once; the slower
     rank's median times)."""
 
@@ -147,14 +152,6 @@ class MachinePairProbe:
         if moving_ms <= 0:
             return math.inf
         return transfer_ms(self.num_bytes, 1.0, 0.0) / moving_ms / LINK_EFFICIENCY
-
-    @property
-    def slower_than_configured(self) -> bool:
-        return self.effective_gbps < self.configured_gbps
-
-    @property
-    def later_than_configured(self) -> bool:
-        return self.message_us > self.configured_latency_us
 
     def notes(self) -> list[str]:
         """What the plan's notes say of this link: each measurement the planner used instead of the configured
