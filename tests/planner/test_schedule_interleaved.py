@@ -50,7 +50,7 @@ def test_interleaving_deals_each_groups_layers_round_robin():
     assert dealt.stages_of_rank(2) == (1, 3, 5) and dealt.stage_of_rank(2) == 1
     assert [dealt.group_of_stage(s) for s in range(6)] == [0, 1, 0, 1, 0, 1]
     assert chunk_sizes(5, 3) == [2, 2, 1]
-    assert degrees(plan, 8) == [1, 2, 3]  # the 3-layer group bounds the degree
+    assert degrees(plan, 8) == [1, 2, 3, 4]  # 8 layers give 2 groups 4 chunks each once re-split
     with pytest.raises(PlanningError, match="at least 4 layers per stage; stages \\[1\\] have fewer"):
         interleave(plan, 4)
 

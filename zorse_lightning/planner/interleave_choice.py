@@ -1,25 +1,29 @@
-"""Whether the search's best plan runs faster interleaved, and at which degree.
+"""Whether the search's plan runs faster interleaved: its own plan's or one of its finalists', at which degree.
 
 The search prices plain plans only (interleaving needs a plan to interleave, and each
 interleaved candidate's memory needs its programs recorded: seconds at 1024 GPUs,
-too much inside the search). Its best plan is then interleaved at each degree 2 ..
-``max_interleave`` it admits (every group needs a layer per chunk,
-:func:`.interleaving.degrees`); each keeps its groups' layer counts, so only the fill
-and drain (about V-fold shorter), the transfers (V-fold) and the activations in
-flight change. Where a degree does not fit, the groups of several GPUs are sharded
-as the search shards them (:data:`.problem.SEARCH_SHARDING`) and it is priced again.
+too much inside the search). Its chosen plan and the :data:`FINALISTS` fastest after it
+in the simulation (:meth:`.choice.Choice.runners_up`) are then interleaved at each degree
+2 .. ``max_interleave``: the best plain plan is not always the best to interleave (a
+finalist whose fill and drain weigh more gains more). Each keeps its groups' layer counts,
+so only the fill and drain (about V-fold shorter), the transfers (V-fold) and the
+activations in flight change; a group holding fewer layers than the degree first gets
+layers from the busiest groups (:func:`_thick_enough`), else a slow group holding few
+layers would rule the degree out. Where a degree does not fit, the groups of several GPUs
+are sharded as the search shards them (:data:`.problem.SEARCH_SHARDING`) and it is priced
+again.
 
-Two models must agree on the gain, by :data:`.choice.INTERLEAVE_MARGIN`: the closed
-form (the cost model's, which counts the fill and drain as Megatron's interleaved
-order does, :mod:`.cost.chain`) and the event simulation of the engine's own programs,
-the plain plan's against the interleaved one's (:mod:`.cost.simulate`, the same model on
-both sides, so the comparison is fair even where the simulation and the closed form
-differ on both). The simulation is the check because the programs are recorded from a
-play in unit steps: where their order departs from Megatron's (uneven shares, a rank's
-microbatches not a multiple of the groups, backwards twice the forwards) they keep
-less of the gain, sometimes none. The plan is predicted by that simulation, like every
-plan the search returns; its note leads with the simulated gain (the one of what runs)
-and gives the closed form's beside it, or why interleaving lost.
+The closed form (the cost model's, which counts the fill and drain as Megatron's interleaved
+order does, :mod:`.cost.chain`) screens the degrees: its ratio of interleaved to plain time,
+applied to the plain plan's simulated time, is each degree's estimate, and only the
+:data:`MOST_CHECKED` best estimates that would beat the chosen plan are checked. The event
+simulation of the engine's own programs decides, as it ranks the search's plans: the fastest
+checked degree is taken where it beats the chosen plan's simulated time by
+:data:`.choice.INTERLEAVE_MARGIN`. The simulation is the judge because the programs are
+recorded from a play in unit steps: where their order departs from Megatron's (uneven
+shares, a rank's microbatches not a multiple of the groups, backwards twice the forwards)
+they keep less of the gain, sometimes none. The plan's note leads with the simulated gain
+(the one of what runs) and gives the closed form's beside it, or why interleaving lost.
 """
 
 from __future__ import annotations
@@ -29,108 +33,171 @@ from dataclasses import dataclass, replace
 from zorse_lightning import capabilities
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.choice import INTERLEAVE_MARGIN
+from zorse_lightning.planner.choice import INTERLEAVE_MARGIN, work_of
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.interleaving import degrees, interleave
+from zorse_lightning.planner.interleaving import degrees, interleave, with_layer_counts
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
 from zorse_lightning.planner.cost.simulate import simulate
 
 MOST_RECORDING_WORK = 2**21
 """Largest ``2 V M R`` (the actions of every program, ``2 V M`` per group of ranks, times the ``R``
-working ranks each step of the recording play looks at) for which a degree's programs are recorded:
-about 8 s on one core today (``bench/plan_scaling.py``'s 1024 GPUs need 1 M at degree 4). Beyond
-it the degree is not tried, to keep the planning-time goals (60 s at 1024 GPUs)."""
-MOST_CHECKED = 2
-"""Degrees whose memory is priced and which are simulated, fastest in the closed form first
+working ranks each step of the recording play looks at) recorded in all, the degrees of every finalist
+together: about 8 s on one core today (``bench/plan_scaling.py``'s 1024 GPUs need 1 M at degree 4).
+Beyond it a degree is not tried, to keep the planning-time goals (60 s at 1024 GPUs)."""
+MOST_CHECKED = 4
+"""Degrees whose memory is priced and which are simulated, best estimate first, over every finalist
 (each records and plays every rank's program: seconds at 1024 GPUs), while their recording work
-summed stays within :data:`MOST_RECORDING_WORK`: one degree at 1024 GPUs (about 7 s a degree
-there), two wherever recording is cheap."""
+summed stays within :data:`MOST_RECORDING_WORK`: one degree at 1024 GPUs (about 7 s a degree there),
+four wherever recording is cheap (the chosen plan's two best degrees and two of the finalists')."""
+FINALISTS = 2
+"""Plans after the chosen one whose interleaving is tried (:meth:`.choice.Choice.runners_up`)."""
 
 
 @dataclass
 class Trial:
-    """One degree of interleaving, priced."""
+    """One degree of interleaving of one plain plan, priced."""
 
     degree: int
     plan: Plan
     cost: PlanCost
     """Its time, and its memory once :func:`_fitting` has priced it."""
+    plain: Plan
+    """The plain plan it interleaves, as the search split it."""
+    finalist: int
+    """Which: 0 the chosen plan, ``k`` the ``k``-th finalist after it."""
+    base: PlanCost
+    """The plain plan's closed form."""
+    estimate_ms: float
+    """The plain plan's simulated time times the closed form's ratio of this plan's time to it."""
     refused: str | None = None
     """Why it cannot run (does not fit, no 1F1B order); None: it can."""
-    simulated_gain: float | None = None
-    """Its gain over the plain plan in the event simulation (None: not simulated)."""
+    simulated_ms: float | None = None
+    """Its time in the event simulation (None: not simulated)."""
 
     @property
     def ms(self) -> float:
         return self.cost.iteration_ms
 
+    @property
+    def label(self) -> str:
+        """Which plain plan and degree, for the note: ``x2``, or ``#1 x3`` for the first finalist."""
+        return f"#{self.finalist} x{self.degree}" if self.finalist else f"x{self.degree}"
 
-def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int) -> tuple[Plan, str | None]:
-    """``plan``, or it interleaved where that wins in both models; with a note (None: not tried,
-    because the engine does not run interleaved plans, ``most`` < 2 or the plan has one stage).
+
+def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int, finalists: list[Plan] = ()) -> tuple[Plan, str | None]:
+    """``plan``, or the fastest interleaving of it or of one of ``finalists`` (plain plans idling the same
+    ranks, fastest first) in the simulation where that beats ``plan`` by the margin; with a note (None: not
+    tried, because the engine does not run interleaved plans, ``most`` < 2 or no plan has two stages).
 
     Every degree's time is priced first (no programs needed); only the :data:`MOST_CHECKED`
-    fastest that gain in the closed form, within a recording budget, get their memory priced (their
-    programs recorded) and are simulated, fastest first, until one wins."""
-    tried = degrees(plan, most)[1:] if plan.interleave == 1 else []
-    if not (capabilities.SUPPORTS_INTERLEAVING and tried):
+    best estimates, within a recording budget, get their memory priced (their programs recorded)
+    and are simulated."""
+    plains = [(k, p) for k, p in enumerate((plan, *finalists)) if p.interleave == 1 and len(degrees(p, most)) > 1]
+    if not (capabilities.SUPPORTS_INTERLEAVING and plains):
         return plan, None
-    base = plan_cost(ctx, plan)
-    ceiling = base.fill_ms * (1 - 1 / tried[-1]) / base.iteration_ms
-    if ceiling <= INTERLEAVE_MARGIN:
-        return plan, (
-            f"not interleaved: the pipeline's fill and drain ({base.fill_ms:.1f} of {base.iteration_ms:.1f} ms) leave at most "
-            f"{ceiling:.1%} to gain at degree {tried[-1]} (interleaving must win by {INTERLEAVE_MARGIN:.0%})"
+    plain_ms = _simulated_ms(ctx, plan)
+    target_ms = plain_ms * (1 - INTERLEAVE_MARGIN)
+    timed, reasons = [], {}
+    for finalist, plain in plains:
+        trials, reason = _timed_degrees(ctx, plain, most, finalist, target_ms)
+        timed += trials
+        if reason:
+            reasons[reason] = None
+    promising = sorted((t for t in timed if t.refused is None and t.estimate_ms < target_ms), key=lambda t: t.estimate_ms)
+    reasons.update({_why_not(t, target_ms): None for t in timed if t not in promising})
+    checked, budget = [], MOST_RECORDING_WORK
+    for trial in promising:
+        work = work_of(trial.plan)
+        if len(checked) == MOST_CHECKED or work > budget:
+            reasons[f"{trial.label} estimated {trial.estimate_ms:.1f} ms, not checked (the budget went to better estimates)"] = None
+            continue
+        budget -= work
+        fitting = _fitting(ctx, trial)
+        if fitting.refused is None:
+            fitting.simulated_ms = simulate(ctx, fitting.plan).makespan_ms
+        checked.append(fitting)
+    runs = sorted((t for t in checked if t.simulated_ms is not None), key=lambda t: t.simulated_ms)
+    if runs and runs[0].simulated_ms < target_ms:
+        best = runs[0]
+        chosen = replace(best.plan, predicted=prediction(ctx, best.plan, best.cost))
+        closed_gain = _gain(best.ms, plan_cost(ctx, plan, memory=False).iteration_ms)
+        return chosen, (
+            f"interleaved x{best.degree}{_origin(best)}: each group of ranks holds {best.degree} layer chunks; the "
+            f"engine's programs, simulated, {_gain(best.simulated_ms, plain_ms):.1%} faster than the plan without "
+            f"({best.simulated_ms:.1f} against {plain_ms:.1f} ms; the closed form's gain: {closed_gain:.1%})"
         )
-    working = sum(len(group.ranks) for group in plan.rank_groups)
-    recordable = [d for d in tried if 2 * d * plan.num_microbatches * working <= MOST_RECORDING_WORK]
+    reasons.update({_why_not(t, target_ms): None for t in checked})
+    listed = "; ".join(reasons)
+    return plan, f"not interleaved (each must beat {plain_ms:.1f} ms, the plan's simulated time, by {INTERLEAVE_MARGIN:.1%}): {listed}"
+
+
+def _simulated_ms(ctx: CostContext, plan: Plan) -> float:
+    """``plan``'s time in the event simulation (its prediction where the search simulated it)."""
+    if plan.predicted is not None and plan.predicted.closed_form_ms is not None:
+        return plan.predicted.iteration_ms
+    return simulate(ctx, plan).makespan_ms
+
+
+def _timed_degrees(ctx: CostContext, plain: Plan, most: int, finalist: int, target_ms: float) -> tuple[list[Trial], str | None]:
+    """``plain`` interleaved at each degree it admits whose programs can be recorded, timed; or why none
+    is worth timing (its fill and drain leave too little to gain, or recording would take too long)."""
+    tried = degrees(plain, most)[1:]
+    prefix = f"#{finalist} " if finalist else ""
+    base = plan_cost(ctx, plain, memory=False)
+    plain_ms = _simulated_ms(ctx, plain)
+    ceiling = base.fill_ms * (1 - 1 / tried[-1]) / base.iteration_ms
+    if plain_ms * (1 - ceiling) >= target_ms:
+        return [], (
+            f"{prefix}the pipeline's fill and drain ({base.fill_ms:.1f} of {base.iteration_ms:.1f} ms in the closed form) "
+            f"leave at most {ceiling:.1%} of its {plain_ms:.1f} ms to gain at x{tried[-1]}"
+        )
+    working = sum(len(group.ranks) for group in plain.rank_groups)
+    recordable = [d for d in tried if 2 * d * plain.num_microbatches * working <= MOST_RECORDING_WORK]
     if not recordable:
-        return plan, (
-            f"not interleaved: recording the programs of x{tried[0]} ({plan.num_microbatches} microbatches on {working} GPUs) "
-            f"would take longer than planning may (2 V M R = {2 * tried[0] * plan.num_microbatches * working:,} > "
+        return [], (
+            f"{prefix}recording the programs of x{tried[0]} ({plain.num_microbatches} microbatches on {working} GPUs) would "
+            f"take longer than planning may (2 V M R = {2 * tried[0] * plain.num_microbatches * working:,} > "
             f"{MOST_RECORDING_WORK:,}); pin fewer microbatches to try it"
         )
-    tried = recordable
-    timed = [_timed(ctx, plan, degree) for degree in tried]
-    promising = sorted((t for t in timed if t.refused is None and _gain(t.ms, base.iteration_ms) > INTERLEAVE_MARGIN), key=lambda t: t.ms)
-    reasons = {t.degree: _why_not(t, base) for t in timed if t not in promising}
-    plain_simulated_ms = None
-    checked, budget = [], MOST_RECORDING_WORK
-    for timing in promising:
-        work = 2 * timing.degree * plan.num_microbatches * working
-        if len(checked) == MOST_CHECKED or work > budget:
-            reasons[timing.degree] = f"x{timing.degree} {timing.ms:.1f} ms, not checked (slower than those checked)"
-            continue
-        checked.append(timing.degree)
-        budget -= work
-        trial = _fitting(ctx, timing)
-        if trial.refused is None and _gain(trial.ms, base.iteration_ms) > INTERLEAVE_MARGIN:
-            plain_simulated_ms = plain_simulated_ms or simulate(ctx, plan).makespan_ms
-            trial.simulated_gain = _gain(simulate(ctx, trial.plan).makespan_ms, plain_simulated_ms)
-            if trial.simulated_gain > INTERLEAVE_MARGIN:
-                chosen = replace(trial.plan, predicted=prediction(ctx, trial.plan, trial.cost))
-                simulated_ms = plain_simulated_ms * (1 - trial.simulated_gain)
-                return chosen, (
-                    f"interleaved x{trial.degree}: each group of ranks holds {trial.degree} layer chunks; the "
-                    f"engine's programs, simulated, {trial.simulated_gain:.1%} faster than without ({simulated_ms:.1f} "
-                    f"against {plain_simulated_ms:.1f} ms; the closed form's gain: "
-                    f"{_gain(trial.ms, base.iteration_ms):.1%})"
-                )
-        reasons[trial.degree] = _why_not(trial, base)
-    listed = "; ".join(reasons[d] for d in sorted(reasons))
-    return plan, f"not interleaved (tried x{tried[0]}-x{tried[-1]}, each must win by {INTERLEAVE_MARGIN:.0%}): {listed}"
+    trials = []
+    for degree in recordable:
+        candidate = interleave(_thick_enough(plain, degree, base), degree)
+        cost = plan_cost(ctx, candidate, memory=False)
+        trials.append(Trial(degree, candidate, cost, plain, finalist, base, plain_ms * cost.iteration_ms / base.iteration_ms))
+    return trials, None
+
+
+def _thick_enough(plain: Plan, degree: int, base: PlanCost) -> Plan:
+    """``plain`` with every group holding at least ``degree`` layers: each layer a thin group lacks comes
+    from the group that is then busiest (busy time scaled by its layers; the simulation judges the result),
+    which is where the plain split loses least. ``plain`` itself where no group is thin."""
+    counts = [stage.num_layers for stage in plain.stages]
+    if min(counts) >= degree:
+        return plain
+    busy = [cost.busy_ms for cost in base.stages]
+    for thin in (g for g in range(len(counts)) if counts[g] < degree):
+        while counts[thin] < degree:
+            donor = max((g for g in range(len(counts)) if counts[g] > degree), key=lambda g: busy[g])
+            busy[donor] *= (counts[donor] - 1) / counts[donor]
+            busy[thin] *= (counts[thin] + 1) / counts[thin]
+            counts[donor] -= 1
+            counts[thin] += 1
+    return with_layer_counts(plain, counts)
+
+
+def _origin(trial: Trial) -> str:
+    """Where the interleaved plan comes from, where not the chosen plan as the search split it."""
+    counts = [sum(s.num_layers for s in trial.plan.stages if s.ranks == g.ranks) for g in trial.plain.stages]
+    parts = [f"finalist #{trial.finalist} of the search ({len(counts)} groups, microbatch {trial.plan.microbatch_size})"] if trial.finalist else []
+    if counts != [s.num_layers for s in trial.plain.stages]:
+        parts.append(f"layers re-split to {counts} so that each group holds a chunk")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _gain(ms: float, plain_ms: float) -> float:
     return 1 - ms / plain_ms
-
-
-def _timed(ctx: CostContext, plan: Plan, degree: int) -> Trial:
-    """``plan`` interleaved at ``degree``, its time priced (not its memory)."""
-    candidate = interleave(plan, degree)
-    return Trial(degree, candidate, plan_cost(ctx, candidate, memory=False))
 
 
 def _fitting(ctx: CostContext, timed: Trial) -> Trial:
@@ -141,7 +208,7 @@ def _fitting(ctx: CostContext, timed: Trial) -> Trial:
     try:
         cost = plan_cost(ctx, candidate)
     except PlanningError as error:  # no 1F1B order exists for it
-        return Trial(degree, candidate, timed.cost, f"x{degree}: {error}")
+        return replace(timed, refused=f"{timed.label}: {error}")
     over = memory_overruns(ctx, candidate, cost)
     shardable = [i for i, s in enumerate(candidate.stages) if len(s.ranks) > 1 and s.sharding is Sharding.NONE]
     if over and shardable:
@@ -151,26 +218,27 @@ def _fitting(ctx: CostContext, timed: Trial) -> Trial:
         sharded = with_free_memory_shards(ctx, sharded)
         sharded_cost = plan_cost(ctx, sharded)
         if not memory_overruns(ctx, sharded, sharded_cost):
-            return Trial(degree, sharded, sharded_cost)
+            return replace(timed, plan=sharded, cost=sharded_cost)
     if over:
         group, rank, gib = max(over, key=lambda o: o[2])
-        return Trial(degree, candidate, cost, f"x{degree} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)")
-    return Trial(degree, candidate, cost)
+        return replace(timed, cost=cost, refused=(
+            f"{timed.label} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)"
+        ))
+    return replace(timed, cost=cost)
 
 
-def _why_not(trial: Trial, base: PlanCost) -> str:
-    """Why ``trial`` lost: it does not fit, or where its time goes against the plain plan's."""
+def _why_not(trial: Trial, target_ms: float) -> str:
+    """Why ``trial`` lost: it does not fit, or where its time goes against its plain plan's."""
     if trial.refused is not None:
         return trial.refused
-    head = f"x{trial.degree} {trial.ms:.1f} against {base.iteration_ms:.1f} ms"
-    if trial.simulated_gain is not None:
-        gain = trial.simulated_gain
-        simulated = f"only {gain:.1%} faster" if gain >= 0 else f"{-gain:.1%} slower"
-        return f"{head}, but {simulated} in the simulation of the engine's programs"
+    base = trial.base
+    head = f"{trial.label} {trial.ms:.1f} against {base.iteration_ms:.1f} ms in the closed form"
+    if trial.simulated_ms is not None:
+        return f"{head}, {trial.simulated_ms:.1f} ms in the simulation of the engine's programs (needed below {target_ms:.1f})"
     fill = trial.cost.fill_ms - base.fill_ms
     busiest = (trial.cost.pipeline_ms - trial.cost.fill_ms) - (base.pipeline_ms - base.fill_ms)
     tail = trial.cost.tail_ms - base.tail_ms
-    why = f" (fill and drain {fill:+.1f} ms, busiest group or link {busiest:+.1f} ms"
+    why = f" (estimated {trial.estimate_ms:.1f} ms; fill and drain {fill:+.1f} ms, busiest group or link {busiest:+.1f} ms"
     why += f", synchronisation and step {tail:+.1f} ms)" if abs(tail) > 1e-9 else ")"
     if busiest > 0:
         why += ": its activations cross every chunk boundary"

@@ -45,9 +45,19 @@ def interleave(plan: Plan, degree: int) -> Plan:
     return replace(plan, stages=tuple(stages), interleave=degree, predicted=None)
 
 
+def with_layer_counts(plan: Plan, counts: list[int]) -> Plan:
+    """``plan`` (not interleaved) with its stages holding ``counts`` layers, in order (unpriced)."""
+    stages, start = [], 0
+    for stage, count in zip(plan.stages, counts):
+        stages.append(replace(stage, layers=(start, start + count)))
+        start += count
+    return replace(plan, stages=tuple(stages), predicted=None)
+
+
 def degrees(plan: Plan, most: int) -> list[int]:
-    """Interleaving degrees ``plan`` admits, up to ``most``: every group needs a layer per chunk."""
+    """Interleaving degrees ``plan`` admits, up to ``most``: every group needs a layer per chunk, which
+    a split of the layers gives each group up to ``num_layers // groups`` (the plan's own split may not:
+    the planner moves layers to its thin groups first)."""
     if len(plan.stages) < 2:
         return [1]
-    fewest = min(stage.num_layers for stage in plan.stages)
-    return list(range(1, min(most, fewest) + 1))
+    return list(range(1, min(most, plan.num_layers // len(plan.stages)) + 1))

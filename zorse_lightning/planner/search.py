@@ -73,7 +73,7 @@ from zorse_lightning.planner.cost.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
-from zorse_lightning.planner.interleave_choice import interleaved_if_faster
+from zorse_lightning.planner.interleave_choice import FINALISTS, interleaved_if_faster
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -188,7 +188,7 @@ def _search(
         notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
-    best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave)
+    best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave, choice.runners_up(FINALISTS))
     best = price(ctx, best)
     notes = (*notes, *(note for note in (idle_note, interleave_note, _prediction_note(best, choice)) if note))
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
