@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from zorse_lightning.capabilities import Schedule, Sharding
-from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
+from zorse_lightning.engine.executor import PipelineEngine
+from zorse_lightning.engine.host_group import broadcast_module
 from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.engine.sharding import true_numel
 from zorse_lightning.models.gpt import GPT

@@ -59,25 +59,6 @@ def _holds_loss(output: Any) -> bool:
     return isinstance(loss, torch.Tensor) and loss.dim() == 0
 
 
-BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
-"""Bytes per collective when the eager module is broadcast (DDP's figure for its start-up broadcast)."""
-
-
-@torch.no_grad()
-def broadcast_module(module: nn.Module, group: Any = None, src: int = 0) -> None:
-    """Give every rank ``src``'s weights (random init differs per process; pretrained weights too).
-
-    The module is still on the host (only the stage reaches the device, after the
-    cut), so this goes over a group for host tensors (:func:`host_group`), in a few
-    large collectives (tensors packed as DDP packs its own broadcast), not one per
-    tensor. A world of one rank has nobody to tell.
-    """
-    if dist.get_world_size(group) == 1:
-        return
-    tensors = [t.data for t in (*module.parameters(), *module.buffers())]
-    dist._broadcast_coalesced(group or dist.group.WORLD, tensors, BROADCAST_BUCKET_BYTES, src)
-
-
 class PipelineEngine:
     """One rank's executor of a plan: cut the module, then run steps."""
 

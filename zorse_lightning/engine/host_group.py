@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT
 from zorse_lightning.errors import ZorseUserError
@@ -168,3 +170,22 @@ def host_group(timeout: timedelta = DEFAULT_TIMEOUT, main_address: str | None = 
             f"(see `ip addr`), and check that no firewall blocks TCP between them"
         ) from error
     return group
+
+
+BROADCAST_BUCKET_BYTES = 256 * 1024 * 1024
+"""Bytes per collective when the eager module is broadcast (DDP's figure for its start-up broadcast)."""
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, group: Any = None, src: int = 0) -> None:
+    """Give every rank ``src``'s weights (random init differs per process; pretrained weights too).
+
+    The module is still on the host (only the stage reaches the device, after the
+    cut), so this goes over a group for host tensors (:func:`host_group`), in a few
+    large collectives (tensors packed as DDP packs its own broadcast), not one per
+    tensor. A world of one rank has nobody to tell.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    tensors = [t.data for t in (*module.parameters(), *module.buffers())]
+    dist._broadcast_coalesced(group or dist.group.WORLD, tensors, BROADCAST_BUCKET_BYTES, src)

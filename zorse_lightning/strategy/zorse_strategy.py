@@ -50,8 +50,8 @@ from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
-from zorse_lightning.engine.executor import PipelineEngine, broadcast_module
-from zorse_lightning.engine.host_group import host_group
+from zorse_lightning.engine.executor import PipelineEngine
+from zorse_lightning.engine.host_group import broadcast_module, host_group
 from zorse_lightning.engine.checkpoint.by_name import ByName
 from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
