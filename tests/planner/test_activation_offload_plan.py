@@ -13,8 +13,10 @@ from zorse_lightning.cluster.inventory import ClusterInventory, Machine
 from zorse_lightning.errors import InventoryError, PlanningError
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.plan_check import check_predicted_memory
+from zorse_lightning.planner.search import make_plan
 from zorse_lightning.reporting.plan_table import plan_table
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 from testing.plans import hand_plan
@@ -112,3 +114,45 @@ def test_the_plan_table_says_which_stages_offload_and_what_they_pin():
     rows = [line for line in console.export_text().splitlines() if line.startswith("│")]
     assert "+offload" in rows[0] and "+0.0149 host" in rows[0]
     assert "offload" not in rows[1] and "host" not in rows[1]
+
+
+# -- chosen by the search ------------------------------------------------------------------------
+
+
+def _small_beside_big(host_link_gbps: float) -> tuple[ClusterInventory, ModelProfile]:
+    """A GPU of 24 MiB (rank 0, first stage: two microbatches in flight) beside a roomy one of the same
+    speed, 8 layers of 1 MB activations a sample: the first stage's 4 layers at microbatch 4 keep 32 MB
+    in flight, 10 MB with offload (its outputs and two blocks of the running microbatch)."""
+    a100 = replace(DEFAULT_CATALOG.get("a100x40"), host_link_gbps=host_link_gbps)
+    small = replace(a100, name="small", memory_gib=24 / 1024)
+    layer = BlockShape("layer", 1000, 1_000_000, 250_000, 1.0)
+    edge = BlockShape("edge", 0, 0, 250_000, 0.0)
+    timed = BlockTimes(TimeCurve(1.0, 0.0), TimeCurve(2.0, 0.0))
+    zero = BlockTimes(TimeCurve(0.0, 0.0), TimeCurve(0.0, 0.0))
+    devices = {t: DeviceTimes(t, ProfileSource.MEASURED, zero, (timed,) * 8, zero) for t in ("small", "a100x40")}
+    profile = ModelProfile("hand", 8, "float16", edge, (layer,) * 8, edge, devices)
+    machine = Machine("box", (small, a100), intra_bandwidth_gbps=80.0, host_memory_gib=1.0)
+    return ClusterInventory("small_beside_big", (machine,)), profile
+
+
+_PINS = PlannerOptions(stage_layout=((0,), (1,)), microbatch_size=4, memory_reserve_gib=0.0, max_interleave=1)
+
+
+def test_the_search_offloads_the_stage_that_holds_its_in_flight_activations_only_so():
+    inventory, profile = _small_beside_big(host_link_gbps=256.0)  # 32 GB/s: the copies hide under compute
+    plan = make_plan(inventory, profile, 32, _PINS)
+    assert [s.activations_label for s in plan.stages] == ["offload", "keep"]
+    assert plan.stages[0].layers == (0, 4)  # balanced: neither layers moved off the small GPU nor recomputed
+    ctx = CostContext.build(inventory, profile, memory_reserve_gib=0.0)
+    kept = replace(plan, stages=(replace(plan.stages[0], offload_activations=False), plan.stages[1]))
+    assert memory_overruns(ctx, kept, plan_cost(ctx, kept))  # it does not fit without offload
+    console = Console(width=200, record=True)
+    console.print(plan_table(plan, ctx))
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│")]
+    assert "+offload" in rows[0] and "host" in rows[0] and "offload" not in rows[1]
+
+
+def test_the_search_does_not_offload_where_the_copies_cost_more_than_recomputing():
+    inventory, profile = _small_beside_big(host_link_gbps=0.5)  # 62.5 MB/s: 256 ms a microbatch each way
+    plan = make_plan(inventory, profile, 32, _PINS)
+    assert not any(s.offload_activations for s in plan.stages)

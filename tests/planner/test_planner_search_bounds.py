@@ -17,6 +17,7 @@ from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
 from zorse_lightning.planner.bound import lower_bound_ms
+from zorse_lightning.planner.choice import Choice
 from zorse_lightning.planner.search import _heuristic_plan, _layouts
 
 from test_planner_fixtures import synthetic_profile
@@ -103,9 +104,10 @@ def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
     checked = 0
     for layout in _layouts(ctx, options):
         for m in (1, 4):
-            plan = _heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options)
-            if plan is not None:
-                assert lower_bound_ms(ctx, layout, m, 32) <= plan.predicted.iteration_ms * (1 + 1e-12)
+            offloaded = Choice(None)  # the split offloading where it is over memory, where offered
+            plan = _heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options, offloaded)
+            for priced_plan in [p for p in (plan,) if p is not None] + offloaded.pool:
+                assert lower_bound_ms(ctx, layout, m, 32) <= priced_plan.predicted.iteration_ms * (1 + 1e-12)
                 checked += 1
     assert checked > 10
 

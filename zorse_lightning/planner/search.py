@@ -142,7 +142,7 @@ def _search(
             break
         if _past(choice, bound, _uses(layout, world)):
             continue
-        heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options)
+        heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options, choice)
         choice.offer(heuristic)
         scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
@@ -257,18 +257,39 @@ def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
     return counts, shares
 
 
-def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options) -> Plan | None:
+def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options, choice: Choice) -> Plan | None:
     """The first of a candidate's quick splits (:func:`_quick_splits`) that fits, priced:
     an upper bound, and a fallback plan. Pinned layer counts are applied by the
-    integer program only."""
+    integer program only.
+
+    Where the first split without recomputation does not fit, the same split offloading
+    activations on the stages over memory (:func:`_offloaded_where_over`) is offered to
+    ``choice`` beside it: the alternative to recomputation (or to layers moved off the
+    small GPUs) that the choice keeps only where it is faster, or where nothing else fits.
+    Only there, so that plans that fit without either cost the search nothing more."""
     if options.layer_counts is not None:
         return None
     for recompute in (False, True):
-        for plan in _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
-            plan = plan and _priced_unsharded_where_free(ctx, plan)
-            if plan is not None:
-                return plan
+        for tried, plan in enumerate(_quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute)):
+            fitting = plan and _priced_unsharded_where_free(ctx, plan)
+            if fitting is not None:
+                return fitting
+            if plan is not None and not recompute and tried == 0:
+                choice.offer(_offloaded_where_over(ctx, plan))
     return None
+
+
+def _offloaded_where_over(ctx: CostContext, plan: Plan) -> Plan | None:
+    """``plan`` with activations offloaded on each stage that does not fit its memory, priced as
+    :func:`_priced_unsharded_where_free` prices any plan (the copies' time, the host memory pinned
+    on each machine); None when offload does not make it fit. Stages that recompute or gather per
+    microbatch are left as they are (offload with recompute is refused by the plan)."""
+    over = {stage for stage, _, _ in memory_overruns(ctx, plan, plan_cost(ctx, plan))}
+    stages = tuple(
+        replace(s, offload_activations=True) if i in over and not (s.recompute or s.gather_per_microbatch) else s
+        for i, s in enumerate(plan.stages)
+    )
+    return _priced_unsharded_where_free(ctx, replace(plan, stages=stages)) if stages != plan.stages else None
 
 
 def _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
