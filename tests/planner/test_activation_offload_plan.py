@@ -156,3 +156,10 @@ def test_the_search_does_not_offload_where_the_copies_cost_more_than_recomputing
     inventory, profile = _small_beside_big(host_link_gbps=0.5)  # 62.5 MB/s: 256 ms a microbatch each way
     plan = make_plan(inventory, profile, 32, _PINS)
     assert not any(s.offload_activations for s in plan.stages)
+
+
+def test_allow_offload_false_keeps_the_search_from_offloading():
+    inventory, profile = _small_beside_big(host_link_gbps=256.0)
+    plan = make_plan(inventory, profile, 32, replace(_PINS, allow_offload=False))
+    assert not any(s.offload_activations for s in plan.stages)
+    assert plan.stages[0].recompute or plan.stages[0].layers != (0, 4)  # fitted some other way

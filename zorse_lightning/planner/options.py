@@ -46,6 +46,11 @@ class PlannerOptions:
     allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
     """Let plans leave the slowest GPU types idle when they would slow the rest down.
     Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); False: every rank works."""
+    allow_offload: bool = True
+    """Let the search offer activation offload (a stage's saved activations in pinned host memory, copied
+    over its GPU type's host link) where a split does not fit without it; the copies and the host memory
+    are priced like everything else, so it is chosen only where it is the fastest plan that fits.
+    False: never (a run that must not pin host memory, or to compare against the best plan without it)."""
     max_stages: int = 16
     """Most pipeline stages a candidate layout may have (and never more than the model's layers)."""
     max_programs: int = 8

@@ -274,7 +274,7 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
             fitting = plan and _priced_unsharded_where_free(ctx, plan)
             if fitting is not None:
                 return fitting
-            if plan is not None and not recompute and tried == 0:
+            if plan is not None and not recompute and tried == 0 and options.allow_offload:
                 choice.offer(_offloaded_where_over(ctx, plan))
     return None
 
