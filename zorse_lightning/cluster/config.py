@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from zorse_lightning.cluster.catalog import DEFAULT_CATALOG, GpuCatalog
-from zorse_lightning.cluster.gpu_type import GpuType
+from zorse_lightning.cluster.gpu_type import PCIE3_X16_GBPS, GpuType
 from zorse_lightning.cluster.inventory import (
     ClusterInventory,
     DatacenterLink,
@@ -32,6 +32,8 @@ class GpuTypeSpec:
     bf16_tflops: float = 0.0
     memory_bandwidth_gbps: float = 1000.0
     peer_bandwidth_gbps: float = 128.0
+    host_link_gbps: float = PCIE3_X16_GBPS
+    """The link to host memory, each way: what activation offload's copies cost (``GpuType.host_link_gbps``)."""
     aliases: list[str] = field(default_factory=list)
 
 

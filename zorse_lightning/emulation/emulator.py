@@ -8,6 +8,11 @@ takes ``slowdown(t) x c`` for work whose calibrated CPU cost is ``c``, where
 so the emulated time is exact; communication, schedule and balance stay real.
 The rank is never told its factor through any other channel: profilers that
 time instrumented modules see the emulated speed, as they would on the GPU.
+
+A call whose stage offloads activations (``engine.activation_offload``) lasts at
+least as long as its copies at the type's host link (``GpuType.host_link_gbps``):
+the forward copies out, its backward copies the same bytes back, each beside the
+compute it hides under, as the cost model's ``with_offload_copies`` prices them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zorse_lightning.cluster.gpu_type import PCIE3_X16_GBPS
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.memory import (
     EmulatedOutOfMemoryError,
@@ -42,7 +48,7 @@ from zorse_lightning.emulation.timing import (
 )
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.module.blocks import find_block_list_or_none
-from zorse_lightning.units import gib_to_bytes
+from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
 
 __all__ = [
     "ComputeEmulator",
@@ -67,6 +73,9 @@ class EmulationSpec:
     slowdown: float
     """Emulated time / calibrated CPU cost; >= 1 so that real compute can meet the deadline."""
     memory_budget_bytes: int
+    host_link_gbps: float = PCIE3_X16_GBPS
+    """The type's link to host memory, each way (``GpuType.host_link_gbps``): the rate of activation offload's
+    copies, which a call that offloads is charged where they outlast its compute."""
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:
@@ -78,6 +87,11 @@ class EmulationSpec:
             raise ZorseUserError(
                 f"emulated {self.gpu_type}: memory_budget_bytes={self.memory_budget_bytes!r} must be positive; "
                 f"set the GPU's `memory_gib` in the cluster config"
+            )
+        if not self.host_link_gbps > 0:
+            raise ZorseUserError(
+                f"emulated {self.gpu_type}: host_link_gbps={self.host_link_gbps!r} must be positive; "
+                f"give the GPU type's host link (PCIe 3/4/5 x16: 128/256/512 Gb/s)"
             )
 
 
@@ -97,6 +111,7 @@ def emulation_spec_for_rank(
         gpu_type=gpu.gpu_type.name,
         slowdown=fastest_slowdown * fastest_tflops / gpu.gpu_type.peak_tflops,
         memory_budget_bytes=int(gib_to_bytes(gpu.memory_gib)),
+        host_link_gbps=gpu.gpu_type.host_link_gbps,
     )
 
 
@@ -153,6 +168,8 @@ class _Call:
     window: BackwardWindow | None = None
     uncharged: bool = False
     """A call that computes nothing now (:attr:`ComputeEmulator.uncharged`): neither slowed nor counted."""
+    offloaded_before: int | None = None
+    """The rank's offloaded bytes when the forward started (where :attr:`ComputeEmulator.offloaded_bytes` is set)."""
 
 
 @dataclass
@@ -163,6 +180,7 @@ class _Counters:
     emulated_compute_s: float = 0.0
     real_compute_s: float = 0.0
     overrun_s: float = 0.0
+    copy_bound_s: float = 0.0
     in_flight: dict[int, list[_Call]] = field(default_factory=dict)
 
 
@@ -197,6 +215,12 @@ class ComputeEmulator:
         self.uncharged: Callable[[nn.Module], bool] | None = None
         """Whether a call of the module computes nothing now (set by whoever knows: in an interleaved rank's
         later chunk, its earlier chunks' blocks pass their input on), so it is neither slowed nor counted."""
+        self.offloaded_bytes: Callable[[], int] | None = None
+        """Bytes the rank's activation offload has copied to host memory so far (set by whoever holds the
+        offload: :class:`~zorse_lightning.emulation.stage.StageEmulation`). A call during which it grows by
+        ``n`` takes at least ``n`` at the type's host link in its forward (the copies out) and in its backward
+        (the copies back): per instrumented module, that is per block, max(compute, copy), where the cost
+        model takes max(compute, copy) over a stage's whole microbatch (the same for blocks alike)."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -224,6 +248,12 @@ class ComputeEmulator:
     def real_compute_s(self) -> float:
         """CPU wall time spent computing inside those windows (before sleeping)."""
         return self._counters.real_compute_s
+
+    @property
+    def copy_bound_s(self) -> float:
+        """Emulated seconds by which offload's copies outlasted the compute they ran beside (part of
+        :attr:`emulated_compute_s`): 0 where the host link hides them."""
+        return self._counters.copy_bound_s
 
     @property
     def approximate_backwards(self) -> int:
@@ -337,6 +367,8 @@ class ComputeEmulator:
                 cost = self._costs[key] = calibrate_call(module, args, kwargs, samples)
             charged = self.spec.slowdown * (samples or 1)
             call = _Call(start=time.perf_counter(), emulated_s=charged * cost.forward_s_per_sample)
+            if self.offloaded_bytes is not None:
+                call.offloaded_before = self.offloaded_bytes()  # after calibrating, which may run the offload too
             if torch.is_grad_enabled():
                 call.window = BackwardWindow(emulated_s=charged * cost.backward_s_per_sample, on_end=self._end_backward)
                 (args, kwargs), marked = wrap_for_backward((args, kwargs), BackwardEndMarker, call.window)
@@ -359,6 +391,8 @@ class ComputeEmulator:
             if sys.exc_info()[1] is not None or call.uncharged:
                 return None  # the forward raised (nothing to time, the error propagates), or computed nothing
             self.check_memory(recount=False)
+            if call.offloaded_before is not None:
+                self._charge_copies(call, self.offloaded_bytes() - call.offloaded_before)
             self._finish(call.start, call.emulated_s)
             if call.window is not None:
                 output, _ = wrap_for_backward(output, BackwardStartMarker, call.window)
@@ -366,9 +400,23 @@ class ComputeEmulator:
 
         return hook
 
+    def _charge_copies(self, call: _Call, copied_bytes: int) -> None:
+        """``call`` (its forward just computed, its backward still to come) copied ``copied_bytes`` out, and its
+        backward brings them back: each lasts at least the copy at the host link."""
+        if copied_bytes <= 0:
+            return
+        copy_s = copied_bytes / gbps_to_bytes_per_s(self.spec.host_link_gbps)
+        if copy_s > call.emulated_s:
+            self._counters.copy_bound_s += copy_s - call.emulated_s
+            call.emulated_s = copy_s
+        if call.window is not None and copy_s > call.window.emulated_s:
+            call.window.copy_bound_s = copy_s - call.window.emulated_s
+            call.window.emulated_s = copy_s
+
     def _end_backward(self, window: BackwardWindow) -> None:
         if window.start is None:
             return
+        self._counters.copy_bound_s += window.copy_bound_s
         self.check_memory(recount=False)
         if window.has_end_marker:
             self._finish(window.start, window.emulated_s)

@@ -33,15 +33,21 @@ class StageEmulation:
     @classmethod
     def start(
         cls, emulation: RankEmulation, costs: Mapping[str, CallCost] | None, module: nn.Module, cut: StageCut | None,
-        optimizers: list[Any], microbatch_size: int,
+        optimizers: list[Any], microbatch_size: int, offload: Any = None,
     ) -> StageEmulation:
         """This rank's emulation of its stage, on ``costs`` (calibrated at start-up when the strategy planned, so
-        the run and the profile behind its prediction use the same costs; else calibrated at first use)."""
+        the run and the profile behind its prediction use the same costs; else calibrated at first use).
+
+        ``offload``: the rank's activation offload where its stage has one (``engine.activation_offload``,
+        read through its ``offloaded_bytes`` counter; the cut's, or a one-stage plan's, which has no cut):
+        its blocks then last at least their copies at the type's host link."""
         named = named_emulated_modules(module, cut.blocks.path if cut is not None else None)
         if cut is not None:
             named = _stage_modules(module, cut, named)
         emulator = emulation.instrumented(module, costs, named=named)
         emulator.batch_samples = microbatch_size  # the engine calls the step per microbatch
+        if offload is not None:
+            emulator.offloaded_bytes = lambda: offload.offloaded_bytes
         boundaries = None
         if cut is not None:
             boundaries = _StageBoundaries(cut)  # after instrument: its hooks run around the emulator's

@@ -59,6 +59,8 @@ class BackwardWindow:
     has_end_marker: bool = False
     """False when no input requires grad: then ``on_end`` runs at the start, as the best available point."""
     start: float | None = None
+    copy_bound_s: float = 0.0
+    """Seconds of ``emulated_s`` by which activation offload's copy back outlasts the compute (counted when it ends)."""
 
 
 def wrap_for_backward(obj: Any, marker: type[torch.autograd.Function], window: BackwardWindow) -> tuple[Any, int]:

@@ -493,7 +493,8 @@ class ZorseStrategy(ParallelStrategy):
         if emulation is not None:
             costs = self._state.startup.calibrated_costs if self._state.startup is not None else None
             self._state.emulation = StageEmulation.start(
-                emulation, costs, self.lightning_module, self.engine.cut, self.optimizers, self.plan.microbatch_size
+                emulation, costs, self.lightning_module, self.engine.cut, self.optimizers, self.plan.microbatch_size,
+                offload=self.engine.offload,
             )
 
     def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
