@@ -94,6 +94,8 @@ class Case:
     """GPUs the plan leaves idle (None: no plan)."""
     sharding: str = ""
     """Each stage's sharding level (``full/microbatch``: gathered block by block per microbatch)."""
+    activations: str = ""
+    """What each stage does with its activations (``keep``, ``recompute``, ``offload``)."""
     programs: tuple[ProgramRun, ...] = ()
     """The search's integer programs, each against its heuristic start."""
     idle_baselines: tuple[str, ...] = ()
@@ -149,6 +151,7 @@ class Case:
             "stages": self.stages,
             "idle_gpus": self.idle_gpus,
             "sharding": self.sharding,
+            "activations": self.activations,
             "interleave": self.interleave,
             "interleave_note": self.interleave_note,
             "closed_form_ms": self.closed_form_ms,
@@ -231,6 +234,7 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "stages": len(plan.stages),
         "idle_gpus": len(plan.idle_ranks),
         "sharding": ",".join(s.sharding_label for s in plan.stages),
+        "activations": ",".join(s.activations_label for s in plan.stages),
         "from_program": not plan.solver.status.startswith(("no program beat", EVEN_SPLIT.status)),
         "interleave": plan.interleave,
         "interleave_note": next((n for n in plan.notes if "interleaved" in n), ""),
@@ -251,7 +255,7 @@ def _ms(value: float | None) -> str:
 def case_table(cases: list[Case], title: str) -> Table:
     baseline_names = list(cases[0].baselines_ms) if cases else []
     table = Table(title=title)
-    columns = ("cluster", "model", "batch", "plan ms", "closed form ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "interleave", "sharding")
+    columns = ("cluster", "model", "batch", "plan ms", "closed form ms", *(f"{n} ms" for n in baseline_names), "bound ms", "plan/bound", "stages", "idle", "interleave", "sharding", "activations")
     for column in columns:
         table.add_column(column, justify="left" if column in ("cluster", "model") else "right")
     for case in cases:
@@ -270,6 +274,7 @@ def case_table(cases: list[Case], title: str) -> Table:
             "-" if case.idle_gpus is None else str(case.idle_gpus),
             "-" if case.interleave is None else str(case.interleave),
             case.sharding or "-",
+            case.activations or "-",
         )
     return table
 

@@ -181,9 +181,13 @@ def test_refused_where_the_activations_in_flight_do_not_fit(interleaving_offered
     reserve_gib = 40 - (peak(plain) + least_interleaved) / 2 / 2**30
     ctx = CostContext.build(_inventory(4), profile, memory_reserve_gib=reserve_gib)
     assert not memory_overruns(ctx, plain, plan_cost(ctx, plain))
-    kept, note = interleaved_if_faster(ctx, plain, 4)
+    kept, note = interleaved_if_faster(ctx, plain, 4, allow_offload=False)
     assert kept is plain
     assert "x4 does not fit (rank 0 of group 0" in note and "more activations in flight" in note
+    offloaded, note = interleaved_if_faster(ctx, plain, 4)  # its copies hide under the compute: it fits so
+    assert offloaded.interleave > 1 and "offloading activations on groups [0]" in note
+    assert [s.offload_activations for s in offloaded.rank_groups] == [True, False, False, False]
+    assert not memory_overruns(ctx, offloaded, plan_cost(ctx, offloaded))
 
 
 def test_not_offered_unless_the_engine_runs_it_or_the_option_allows(monkeypatch: pytest.MonkeyPatch) -> None:

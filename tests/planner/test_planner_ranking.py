@@ -143,3 +143,26 @@ def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pyt
     thick = _thick_enough(plain, 3, base)
     assert [s.num_layers for s in thick.stages] == [12, 7, 4, 3]
     assert degrees(plain, 4) == [1, 2, 3, 4]
+
+
+def test_llama_7b_on_four_machines_finds_the_peers_order_and_moves_layers_to_fit_interleaved() -> None:
+    """The peers' Llama 7B structure on the same cluster: whole machines in the order A6000, A10G, A100, V100
+    (most memory per unit of speed first: each group's layers follow its speed), interleaved x2 with
+    [8, 4, 14, 6] layers. The even split of that order, [7, 4, 15, 6], does not fit interleaved (the A100s
+    hold more activations in flight): a layer moved off them makes it fit, and the search finds it unpinned,
+    as fast as the structure pinned."""
+    inventory = four_machines_four_types()
+    profile = reference_profile("llama_7b", [t.name for t in inventory.gpu_types], 512, "float16")
+    plan = make_plan(inventory, profile, 32 * inventory.world_size)
+    groups = plan.rank_groups
+    assert [inventory.gpus[g.ranks[0]].gpu_type.name for g in groups] == ["a6000", "a10g", "a100x40", "v100x16"]
+    assert [sum(s.num_layers for s in plan.stages if s.ranks == g.ranks) for g in groups] == [8, 4, 14, 6]
+    assert plan.interleave == 2 and plan.microbatch_size == 4
+    assert any("layers re-split to [8, 4, 14, 6]" in note for note in plan.notes)
+    layout = tuple(g.ranks for g in groups)
+    pinned = make_plan(inventory, profile, 32 * inventory.world_size, PlannerOptions(
+        stage_layout=layout, layer_counts=(8, 4, 14, 6), microbatch_size=4, max_interleave=2,
+    ))
+    assert plan.predicted.iteration_ms <= pinned.predicted.iteration_ms * 1.0001
+    unmoved = PlannerOptions(stage_layout=layout, layer_counts=(7, 4, 15, 6), microbatch_size=4, max_interleave=2)
+    assert make_plan(inventory, profile, 32 * inventory.world_size, unmoved).interleave == 1  # pins are kept as given

@@ -37,6 +37,7 @@ from zorse_lightning.planner.choice import INTERLEAVE_MARGIN, work_of
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.interleaving import degrees, interleave, with_layer_counts
+from zorse_lightning.planner.offload_choice import offloaded_where_over
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
 from zorse_lightning.planner.cost.simulate import simulate
@@ -86,10 +87,17 @@ class Trial:
         return f"#{self.finalist} x{self.degree}" if self.finalist else f"x{self.degree}"
 
 
-def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int, finalists: list[Plan] = ()) -> tuple[Plan, str | None]:
+def interleaved_if_faster(
+    ctx: CostContext, plan: Plan, most: int, finalists: list[Plan] = (), allow_offload: bool = True,
+    keep_layer_counts: bool = False,
+) -> tuple[Plan, str | None]:
     """``plan``, or the fastest interleaving of it or of one of ``finalists`` (plain plans idling the same
     ranks, fastest first) in the simulation where that beats ``plan`` by the margin; with a note (None: not
     tried, because the engine does not run interleaved plans, ``most`` < 2 or no plan has two stages).
+
+    ``allow_offload``: a degree over memory may offload activations on its groups over memory;
+    ``keep_layer_counts``: the groups keep the plan's layer counts (pinned by the user), so no layers
+    are moved to thin groups or off groups over memory.
 
     Every degree's time is priced first (no programs needed); only the :data:`MOST_CHECKED`
     best estimates, within a recording budget, get their memory priced (their programs recorded)
@@ -101,7 +109,7 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int, finalists: li
     target_ms = plain_ms * (1 - INTERLEAVE_MARGIN)
     timed, reasons = [], {}
     for finalist, plain in plains:
-        trials, reason = _timed_degrees(ctx, plain, most, finalist, target_ms)
+        trials, reason = _timed_degrees(ctx, plain, most, finalist, target_ms, keep_layer_counts)
         timed += trials
         if reason:
             reasons[reason] = None
@@ -113,8 +121,8 @@ def interleaved_if_faster(ctx: CostContext, plan: Plan, most: int, finalists: li
         if len(checked) == MOST_CHECKED or work > budget:
             reasons[f"{trial.label} estimated {trial.estimate_ms:.1f} ms, not checked (the budget went to better estimates)"] = None
             continue
+        fitting, work = _fitting(ctx, trial, allow_offload, not keep_layer_counts, budget)
         budget -= work
-        fitting = _fitting(ctx, trial)
         if fitting.refused is None:
             fitting.simulated_ms = simulate(ctx, fitting.plan).makespan_ms
         checked.append(fitting)
@@ -140,10 +148,16 @@ def _simulated_ms(ctx: CostContext, plan: Plan) -> float:
     return simulate(ctx, plan).makespan_ms
 
 
-def _timed_degrees(ctx: CostContext, plain: Plan, most: int, finalist: int, target_ms: float) -> tuple[list[Trial], str | None]:
+def _timed_degrees(
+    ctx: CostContext, plain: Plan, most: int, finalist: int, target_ms: float, keep_layer_counts: bool
+) -> tuple[list[Trial], str | None]:
     """``plain`` interleaved at each degree it admits whose programs can be recorded, timed; or why none
     is worth timing (its fill and drain leave too little to gain, or recording would take too long)."""
     tried = degrees(plain, most)[1:]
+    if keep_layer_counts:  # pinned: a group thinner than the degree cannot be given layers
+        tried = [d for d in tried if min(s.num_layers for s in plain.stages) >= d]
+        if not tried:
+            return [], "the pinned layer counts give some group fewer layers than two chunks"
     prefix = f"#{finalist} " if finalist else ""
     base = plan_cost(ctx, plain, memory=False)
     plain_ms = _simulated_ms(ctx, plain)
@@ -192,7 +206,10 @@ def _origin(trial: Trial) -> str:
     counts = [sum(s.num_layers for s in trial.plan.stages if s.ranks == g.ranks) for g in trial.plain.stages]
     parts = [f"finalist #{trial.finalist} of the search ({len(counts)} groups, microbatch {trial.plan.microbatch_size})"] if trial.finalist else []
     if counts != [s.num_layers for s in trial.plain.stages]:
-        parts.append(f"layers re-split to {counts} so that each group holds a chunk")
+        parts.append(f"layers re-split to {counts} so that each group holds a chunk and fits")
+    offloading = [g for g, s in enumerate(trial.plan.rank_groups) if s.offload_activations and not trial.plain.stages[g].offload_activations]
+    if offloading:
+        parts.append(f"offloading activations on groups {offloading}, which do not fit otherwise")
     return f" ({'; '.join(parts)})" if parts else ""
 
 
@@ -200,31 +217,85 @@ def _gain(ms: float, plain_ms: float) -> float:
     return 1 - ms / plain_ms
 
 
-def _fitting(ctx: CostContext, timed: Trial) -> Trial:
-    """``timed`` with its memory priced; sharded as the search shards where it does not fit
-    otherwise (more activations in flight); refused where that does not fit either, or where its
-    programs cannot be recorded."""
-    candidate, degree = timed.plan, timed.degree
+def _fitting(ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: bool, budget: int) -> tuple[Trial, int]:
+    """``timed`` with its memory priced, and the recording work that took. Where it does not fit (more
+    activations in flight), the remedies the search itself uses are priced: its groups of several GPUs
+    sharded as the search shards them (:data:`.problem.SEARCH_SHARDING`), and from there, each apart,
+    activations offloaded on the groups still over memory (where ``allow_offload``) and, unless the
+    layer counts are pinned (``move_layers`` False), up to :data:`MOST_LAYERS_MOVED` layers moved off the group most over memory, one at a time, each to the
+    group then least busy (the peers' structure of four whole machines at Llama 7B fits only so); the
+    fastest that fits is kept. Each pricing records the programs, so the remedies stop where ``budget``
+    runs out. Refused where none fits, or where its programs cannot be recorded."""
+    plan, work = timed.plan, work_of(timed.plan)
     try:
-        cost = plan_cost(ctx, candidate)
+        cost = plan_cost(ctx, plan)
     except PlanningError as error:  # no 1F1B order exists for it
-        return replace(timed, refused=f"{timed.label}: {error}")
-    over = memory_overruns(ctx, candidate, cost)
-    shardable = [i for i, s in enumerate(candidate.stages) if len(s.ranks) > 1 and s.sharding is Sharding.NONE]
-    if over and shardable:
-        sharded = replace(candidate, stages=tuple(
-            replace(s, sharding=SEARCH_SHARDING) if i in shardable else s for i, s in enumerate(candidate.stages)
-        ))
-        sharded = with_free_memory_shards(ctx, sharded)
-        sharded_cost = plan_cost(ctx, sharded)
-        if not memory_overruns(ctx, sharded, sharded_cost):
-            return replace(timed, plan=sharded, cost=sharded_cost)
-    if over:
-        group, rank, gib = max(over, key=lambda o: o[2])
-        return replace(timed, cost=cost, refused=(
-            f"{timed.label} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)"
-        ))
-    return replace(timed, cost=cost)
+        return replace(timed, refused=f"{timed.label}: {error}"), work
+    first_over = over = memory_overruns(ctx, plan, cost)
+    fitting = []
+
+    def priced(candidate: Plan | None) -> tuple[Plan, PlanCost, list] | None:
+        nonlocal work
+        if candidate is None or work + work_of(candidate) > budget:
+            return None
+        work += work_of(candidate)
+        candidate_cost = plan_cost(ctx, candidate)
+        candidate_over = memory_overruns(ctx, candidate, candidate_cost)
+        if not candidate_over:
+            fitting.append((candidate, candidate_cost))
+        return candidate, candidate_cost, candidate_over
+
+    if over and (sharded := priced(_sharded(ctx, plan))) is not None:
+        plan, cost, over = sharded
+    if over and allow_offload:
+        priced(offloaded_where_over(ctx, plan, cost))
+    moved = (plan, cost, over)
+    for _ in range(MOST_LAYERS_MOVED if over and move_layers else 0):
+        moved = priced(_layer_moved(timed, *moved))
+        if moved is None or not moved[2]:
+            break
+    if not over:
+        return replace(timed, plan=plan, cost=cost), work
+    if fitting:
+        plan, cost = min(fitting, key=lambda f: f[1].iteration_ms)
+        return replace(timed, plan=plan, cost=cost), work
+    group, rank, gib = max(first_over, key=lambda o: o[2])
+    return replace(timed, cost=cost, refused=(
+        f"{timed.label} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)"
+    )), work
+
+
+MOST_LAYERS_MOVED = 3
+"""Layers :func:`_fitting` moves off a group over memory before it gives an interleaving degree up."""
+
+
+def _sharded(ctx: CostContext, plan: Plan) -> Plan | None:
+    """``plan`` with its unsharded groups of several GPUs sharded as the search shards them (None: none)."""
+    shardable = [i for i, s in enumerate(plan.stages) if len(s.ranks) > 1 and s.sharding is Sharding.NONE]
+    if not shardable:
+        return None
+    sharded = replace(plan, stages=tuple(
+        replace(s, sharding=SEARCH_SHARDING) if i in shardable else s for i, s in enumerate(plan.stages)
+    ))
+    return with_free_memory_shards(ctx, sharded)
+
+
+def _layer_moved(timed: Trial, plan: Plan, cost: PlanCost, over: list[tuple[int, int, float]]) -> Plan | None:
+    """``plan`` (interleaved) with one layer moved off the group most over memory to the group not over
+    memory that is then least busy (busy time of the plain plan scaled by layers, as :func:`_thick_enough`
+    weighs it); None where no group can give one (each needs a layer per chunk) or take one."""
+    del cost  # the moves follow the plain plan's busy times; the argument keeps the remedies alike
+    counts = [sum(plan.stages[s].num_layers for s in plan.stages_of_group(g)) for g in range(plan.num_groups)]
+    donor = max(over, key=lambda o: o[2])[0]
+    full = {group for group, _, _ in over}
+    busy = [c.busy_ms * n / max(1, s.num_layers) for c, s, n in zip(timed.base.stages, timed.plain.stages, counts)]
+    takers = [g for g in range(len(counts)) if g not in full]
+    if counts[donor] <= plan.interleave or not takers:
+        return None
+    taker = min(takers, key=lambda g: busy[g] * (counts[g] + 1) / counts[g])
+    counts[donor] -= 1
+    counts[taker] += 1
+    return with_layer_counts(plan, counts)
 
 
 def _why_not(trial: Trial, target_ms: float) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.plan import Plan, StagePlan
 
 
 def chunk_sizes(num_layers: int, degree: int) -> list[int]:
@@ -35,23 +35,27 @@ def interleave(plan: Plan, degree: int) -> Plan:
             f"interleave={degree} needs at least {degree} layers per stage; stages {thin} have fewer "
             f"({[groups[i].num_layers for i in thin]}); choose a lower degree"
         )
-    sizes = [chunk_sizes(stage.num_layers, degree) for stage in groups]
+    stages = _dealt(groups, [s.num_layers for s in groups], degree)
+    return replace(plan, stages=tuple(stages), interleave=degree, predicted=None)
+
+
+def with_layer_counts(plan: Plan, counts: list[int]) -> Plan:
+    """``plan`` with its groups of ranks holding ``counts`` layers, in order, each cut into the plan's
+    chunks as :func:`interleave` cuts them (unpriced)."""
+    return replace(plan, stages=tuple(_dealt(plan.rank_groups, counts, plan.interleave)), predicted=None)
+
+
+def _dealt(groups: tuple[StagePlan, ...], counts: list[int], degree: int) -> list[StagePlan]:
+    """Stages of ``groups`` (each holding ``counts`` layers) cut into ``degree`` chunks each, dealt out
+    round-robin: chunk ``c`` of group ``g`` is virtual stage ``c G + g``."""
+    sizes = [chunk_sizes(count, degree) for count in counts]
     stages, start = [], 0
     for chunk in range(degree):
         for group, stage in enumerate(groups):
             end = start + sizes[group][chunk]
             stages.append(replace(stage, layers=(start, end)))
             start = end
-    return replace(plan, stages=tuple(stages), interleave=degree, predicted=None)
-
-
-def with_layer_counts(plan: Plan, counts: list[int]) -> Plan:
-    """``plan`` (not interleaved) with its stages holding ``counts`` layers, in order (unpriced)."""
-    stages, start = [], 0
-    for stage, count in zip(plan.stages, counts):
-        stages.append(replace(stage, layers=(start, start + count)))
-        start += count
-    return replace(plan, stages=tuple(stages), predicted=None)
+    return stages
 
 
 def degrees(plan: Plan, most: int) -> list[int]:

@@ -74,6 +74,7 @@ from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.interleave_choice import FINALISTS, interleaved_if_faster
+from zorse_lightning.planner.offload_choice import offloaded_where_over
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
 from zorse_lightning.planner.problem import (
@@ -188,7 +189,9 @@ def _search(
         notes = (*notes, f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
     idle_note = choice.idle_note(lambda rank: inventory.gpus[rank].gpu_type.name)
-    best, interleave_note = interleaved_if_faster(ctx, best, options.max_interleave, choice.runners_up(FINALISTS))
+    best, interleave_note = interleaved_if_faster(
+        ctx, best, options.max_interleave, choice.runners_up(FINALISTS), options.allow_offload, options.layer_counts is not None,
+    )
     best = price(ctx, best)
     notes = (*notes, *(note for note in (idle_note, interleave_note, _prediction_note(best, choice)) if note))
     return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=notes)
@@ -263,7 +266,7 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
     integer program only.
 
     Where the first split without recomputation does not fit, the same split offloading
-    activations on the stages over memory (:func:`_offloaded_where_over`) is offered to
+    activations on the stages over memory (:func:`.offload_choice.offloaded_where_over`) is offered to
     ``choice`` beside it: the alternative to recomputation (or to layers moved off the
     small GPUs) that the choice keeps only where it is faster, or where nothing else fits.
     Only there, so that plans that fit without either cost the search nothing more."""
@@ -275,21 +278,9 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
             if fitting is not None:
                 return fitting
             if plan is not None and not recompute and tried == 0 and options.allow_offload:
-                choice.offer(_offloaded_where_over(ctx, plan))
+                offloaded = offloaded_where_over(ctx, plan, plan_cost(ctx, plan))
+                choice.offer(offloaded and _priced_unsharded_where_free(ctx, offloaded))
     return None
-
-
-def _offloaded_where_over(ctx: CostContext, plan: Plan) -> Plan | None:
-    """``plan`` with activations offloaded on each stage that does not fit its memory, priced as
-    :func:`_priced_unsharded_where_free` prices any plan (the copies' time, the host memory pinned
-    on each machine); None when offload does not make it fit. Stages that recompute or gather per
-    microbatch are left as they are (offload with recompute is refused by the plan)."""
-    over = {stage for stage, _, _ in memory_overruns(ctx, plan, plan_cost(ctx, plan))}
-    stages = tuple(
-        replace(s, offload_activations=True) if i in over and not (s.recompute or s.gather_per_microbatch) else s
-        for i, s in enumerate(plan.stages)
-    )
-    return _priced_unsharded_where_free(ctx, replace(plan, stages=stages)) if stages != plan.stages else None
 
 
 def _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
