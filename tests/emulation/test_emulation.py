@@ -26,6 +26,8 @@ from zorse_lightning.emulation.emulator import (
     emulation_spec_for_rank,
     named_emulated_modules,
 )
+from zorse_lightning.emulation import emulator as emulator_module
+from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.strategy.accelerator import (
     ZorseCPUAccelerator,
@@ -145,6 +147,38 @@ def test_a_call_without_the_batch_is_charged_once_whatever_the_batch() -> None:
     with torch.no_grad():
         model(torch.randint(0, 32, (2, 16)))
     assert "positions|():torch.int64" in emulator.calibrated_costs
+
+
+def _checkpointed(module: nn.Module) -> nn.Module:
+    """``module`` with its forward recomputed in backward, as the cut and a one-stage plan wrap a block's."""
+    original = module.forward
+    module.forward = lambda *args: torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False)
+    return module
+
+
+def test_a_recomputing_block_is_charged_its_forward_again_in_its_backward(monkeypatch) -> None:
+    """The rerun calls the forward past the module's hooks: charged by the emulator, as the cost model prices
+    it (``stage_microbatch_times``), not hidden under the backward's deadline."""
+    torch.manual_seed(0)
+    blocks = [_checkpointed(_mlp(64)) for _ in range(2)]
+    key = lambda name: f"{name}|(64,):torch.float32"
+    forward_s, backward_s, samples = 1e-4, 2e-4, 4
+    emulator = ComputeEmulator(EmulationSpec("t4", 2.0, 1 << 30), costs={key(n): CallCost(forward_s, backward_s) for n in "ab"})
+    emulator.instrument(blocks, names=["a", "b"])
+    emulator.recomputed = frozenset({id(blocks[0])})
+    x = torch.randn(samples, 64, requires_grad=True)
+    blocks[1](blocks[0](x)).sum().backward()
+    plain = 2.0 * samples * (forward_s + backward_s)
+    assert emulator.emulated_compute_s == pytest.approx(2 * plain + 2.0 * samples * forward_s, rel=1e-9)
+    # Calibrated at its first call through the checkpointed forward, the timed backward reran the forward:
+    # the cost kept is the plain one (the rerun is charged as above), so the rerun is not counted twice.
+    monkeypatch.setattr(emulator_module, "calibrate_call", lambda *args: CallCost(forward_s, backward_s + forward_s))
+    fresh = ComputeEmulator(EmulationSpec("t4", 2.0, 1 << 30))
+    fresh.instrument(blocks, names=["a", "b"])
+    fresh.recomputed = frozenset({id(blocks[0])})
+    blocks[1](blocks[0](x)).sum().backward()
+    kept = {k: (c.forward_s_per_sample, c.backward_s_per_sample) for k, c in fresh.calibrated_costs.items()}
+    assert kept == {key("a"): pytest.approx((forward_s, backward_s)), key("b"): pytest.approx((forward_s, backward_s + forward_s))}
 
 
 def test_nested_modules_are_refused_and_the_cover_has_no_nesting() -> None:

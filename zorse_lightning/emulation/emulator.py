@@ -13,6 +13,8 @@ A call whose stage offloads activations (``engine.activation_offload``) lasts at
 least as long as its copies at the type's host link (``GpuType.host_link_gbps``):
 the forward copies out, its backward copies the same bytes back, each beside the
 compute it hides under, as the cost model's ``with_offload_copies`` prices them.
+A block whose stage recomputes its activations reruns its forward in its backward,
+and is charged it there, as the cost model's ``stage_microbatch_times`` prices it.
 """
 
 from __future__ import annotations
@@ -184,6 +186,15 @@ class _Counters:
     in_flight: dict[int, list[_Call]] = field(default_factory=dict)
 
 
+def _plain_cost(calibrated: CallCost, recomputed: bool) -> CallCost:
+    """The cost of a module call without recomputation. Calibrated through a checkpointed forward
+    (``recomputed``), the timed backward reran the forward; the emulator charges that rerun itself."""
+    if not recomputed:
+        return calibrated
+    forward, backward = calibrated.forward_s_per_sample, calibrated.backward_s_per_sample
+    return CallCost(forward, max(backward - forward, 0.0))
+
+
 class ComputeEmulator:
     """Slows instrumented modules to a GPU type's speed and holds the rank to its memory budget.
 
@@ -221,6 +232,11 @@ class ComputeEmulator:
         ``n`` takes at least ``n`` at the type's host link in its forward (the copies out) and in its backward
         (the copies back): per instrumented module, that is per block, max(compute, copy), where the cost
         model takes max(compute, copy) over a stage's whole microbatch (the same for blocks alike)."""
+        self.recomputed: frozenset[int] = frozenset()
+        """Ids of the modules whose forward is checkpointed (their stage recomputes activations; set by
+        :class:`~zorse_lightning.emulation.stage.StageEmulation`): the backward reruns the forward, so it is
+        charged the forward's cost too. The rerun calls the forward inside the module, past its hooks: without
+        this the rerun's real compute hid under the backward's deadline and recomputation cost nothing here."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -362,15 +378,17 @@ class ComputeEmulator:
                 return args, kwargs
             samples, signature = batch_size_and_signature(args, kwargs, self.batch_samples)
             key = cost_key(name, signature)
+            recomputed = id(module) in self.recomputed
             cost = self._costs.get(key)
             if cost is None:
-                cost = self._costs[key] = calibrate_call(module, args, kwargs, samples)
+                cost = self._costs[key] = _plain_cost(calibrate_call(module, args, kwargs, samples), recomputed)
             charged = self.spec.slowdown * (samples or 1)
             call = _Call(start=time.perf_counter(), emulated_s=charged * cost.forward_s_per_sample)
+            backward_s = cost.backward_s_per_sample + (cost.forward_s_per_sample if recomputed else 0.0)
             if self.offloaded_bytes is not None:
                 call.offloaded_before = self.offloaded_bytes()  # after calibrating, which may run the offload too
             if torch.is_grad_enabled():
-                call.window = BackwardWindow(emulated_s=charged * cost.backward_s_per_sample, on_end=self._end_backward)
+                call.window = BackwardWindow(emulated_s=charged * backward_s, on_end=self._end_backward)
                 (args, kwargs), marked = wrap_for_backward((args, kwargs), BackwardEndMarker, call.window)
                 call.window.has_end_marker = marked > 0
                 if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:

@@ -16,7 +16,7 @@ from torch import nn
 from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
-from zorse_lightning.module.blocks import StageOutput
+from zorse_lightning.module.blocks import StageOutput, find_block_list_or_none
 
 StageCut = Any
 """The engine's cut of the module for this rank (``engine.cutting.StageCut``), None without a pipeline."""
@@ -33,14 +33,16 @@ class StageEmulation:
     @classmethod
     def start(
         cls, emulation: RankEmulation, costs: Mapping[str, CallCost] | None, module: nn.Module, cut: StageCut | None,
-        optimizers: list[Any], microbatch_size: int, offload: Any = None,
+        optimizers: list[Any], microbatch_size: int, offload: Any = None, recompute: bool = False,
     ) -> StageEmulation:
         """This rank's emulation of its stage, on ``costs`` (calibrated at start-up when the strategy planned, so
         the run and the profile behind its prediction use the same costs; else calibrated at first use).
 
         ``offload``: the rank's activation offload where its stage has one (``engine.activation_offload``,
         read through its ``offloaded_bytes`` counter; the cut's, or a one-stage plan's, which has no cut):
-        its blocks then last at least their copies at the type's host link."""
+        its blocks then last at least their copies at the type's host link. ``recompute``: the stage recomputes
+        its blocks' activations (every block the rank holds, as the cut and a one-stage plan checkpoint them):
+        their backward is charged their forward again."""
         named = named_emulated_modules(module, cut.blocks.path if cut is not None else None)
         if cut is not None:
             named = _stage_modules(module, cut, named)
@@ -48,6 +50,9 @@ class StageEmulation:
         emulator.batch_samples = microbatch_size  # the engine calls the step per microbatch
         if offload is not None:
             emulator.offloaded_bytes = lambda: offload.offloaded_bytes
+        if recompute:
+            found = cut.blocks if cut is not None else find_block_list_or_none(module)
+            emulator.recomputed = frozenset(id(b) for b in found.blocks) if found is not None else frozenset()
         boundaries = None
         if cut is not None:
             boundaries = _StageBoundaries(cut)  # after instrument: its hooks run around the emulator's

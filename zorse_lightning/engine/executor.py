@@ -163,6 +163,12 @@ class PipelineEngine:
         self._prepared = True
 
     @property
+    def recomputes(self) -> bool:
+        """Whether this rank's blocks recompute their activations in backward (its stage's choice; the
+        cut checkpoints every block the rank holds, a one-stage plan every block)."""
+        return not self.groups.is_idle and self.groups.stage.recompute
+
+    @property
     def _keeps_whole_module_activations(self) -> bool:
         """A one-stage plan that recomputes or offloads its blocks' activations."""
         stage = None if self.is_pipelined or self.groups.is_idle else self.groups.stage

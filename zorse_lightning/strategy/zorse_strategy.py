@@ -494,7 +494,7 @@ class ZorseStrategy(ParallelStrategy):
             costs = self._state.startup.calibrated_costs if self._state.startup is not None else None
             self._state.emulation = StageEmulation.start(
                 emulation, costs, self.lightning_module, self.engine.cut, self.optimizers, self.plan.microbatch_size,
-                offload=self.engine.offload,
+                offload=self.engine.offload, recompute=self.engine.recomputes,
             )
 
     def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
