@@ -148,6 +148,12 @@ def _worker(rank: int, tmp: Path) -> dict:
         onto_interleaved = _fit(arch, ZorseStrategy(cluster=sim4, plan=interleaved), STEPS, tmp, ckpt_path=tmp / f"{arch}.ckpt")
         results[arch]["resumed_interleaved"] = _difference(onto_interleaved, expected)
     results["llama"]["pretrained_per_stage"] = _pretrained_per_stage(rank, sim4, asymmetric, tmp)
+    offload_every_rank = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4, offload_stages=(0, 1))
+    offload_one_rank = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4, offload_stages=(0,))
+    for case, plan in (("offload_every_rank", offload_every_rank), ("offload_one_rank", offload_one_rank)):
+        strategy = ZorseStrategy(cluster=sim4, plan=plan)
+        results["llama"][case] = _difference(_fit("llama", strategy, STEPS, tmp), reference("llama"))
+        results["llama"][f"{case}_bytes"] = strategy.engine.offload.offloaded_bytes if strategy.engine.offload else 0
     return results
 
 
@@ -179,6 +185,16 @@ def test_trains_as_one_process_does(results, arch, case):
     for rank, result in enumerate(results):
         assert result[arch][case] < 1e-5, (rank, arch, case, result[arch])
     assert not all(result[arch]["planned_idle"] for result in results)  # some rank compared what it trained
+
+
+@pytest.mark.parametrize("case", ["offload_every_rank", "offload_one_rank"])
+def test_llama_trains_as_one_process_does_with_its_activations_offloaded(results, case):
+    """Activation offload on both stages of a 2-stage pipeline, and on the one rank of a stage: every
+    saved tensor of the offloading ranks' blocks goes through host memory and back, exactly."""
+    for rank, result in enumerate(results):
+        assert result["llama"][case] < 1e-5, (rank, case, result["llama"])
+    offloading = {"offload_every_rank": (0, 1, 2, 3), "offload_one_rank": (0,)}[case]
+    assert [rank for rank, r in enumerate(results) if r["llama"][f"{case}_bytes"] > 0] == list(offloading)
 
 
 def test_pretrained_weights_on_disk_are_read_per_stage_into_a_meta_built_model(results):
