@@ -48,6 +48,25 @@ def _host(host_bytes: float) -> str:
     return f" +{bytes_to_gib(host_bytes):.3g} host" if host_bytes else ""
 
 
+def _activations(ctx: CostContext, plan: Plan, group: StagePlan, chunks: tuple[int, ...]) -> str:
+    """What the group does with its activations beyond keeping them; for offload, what its copies take per
+    microbatch each way and what they add to its compute (they hide under it where they are shorter)."""
+    if group.activations_label == "keep":
+        return ""
+    if not group.offload_activations:
+        return f" +{group.activations_label}"
+    copy_ms = added_ms = 0.0
+    for gpu_type in set(group.gpu_types):
+        copied = added = 0.0
+        for stage in (plan.stages[c] for c in chunks):
+            ends = (stage.layers[0] == 0, stage.layers[1] == plan.num_layers)
+            args = (gpu_type, stage.layers, plan.microbatch_size, *ends, stage.recompute)
+            copied += ctx.offload_copy_ms(gpu_type, stage.layers, plan.microbatch_size)
+            added += ctx.microbatch_times(*args, True).total_ms - ctx.microbatch_times(*args, False).total_ms
+        copy_ms, added_ms = max(copy_ms, copied), max(added_ms, added)
+    return f" +offload (copies {copy_ms:.1f} ms each way, +{added_ms:.1f} ms)"
+
+
 def plan_table(plan: Plan, ctx: CostContext) -> Table:
     cost = plan_cost(ctx, plan)
     table = Table(title=f"plan for {plan.model} on {plan.cluster}: {plan.schedule.value}, microbatch {plan.microbatch_size}, "
@@ -70,7 +89,7 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
             " ".join(map(str, stage.microbatches_per_rank)),
             _grouped(memory) if len(set(memory)) < len(memory) else " ".join(memory),
             _grouped(times) if len(set(times)) < len(times) else " ".join(times),
-            stage.sharding_label + ("" if stage.activations_label == "keep" else f" +{stage.activations_label}"),
+            stage.sharding_label + _activations(ctx, plan, stage, chunks),
         )
     if plan.idle_ranks:
         gpus = [ctx.inventory.gpus[r] for r in plan.idle_ranks]
