@@ -94,39 +94,50 @@ class BigModelConfig(BenchConfig):
         }
 
 
-def _worker(rank: int, out_dir: Path, cluster: dict, config: BigModelConfig) -> dict:
+def stage_json(stage) -> dict:
+    """One stage of a plan as the benches print it."""
+    return {"ranks": list(stage.ranks), "layers": list(stage.layers), "microbatches": list(stage.microbatches_per_rank),
+            "sharding": stage.sharding_label, "recompute": stage.recompute, "offload": stage.offload_activations}
+
+
+def measured_fit(out_dir: Path, cluster: dict, config: BigModelConfig, options: PlannerOptions) -> dict:
+    """One planned fit of the bench's model on ``cluster``'s emulated ranks (collective; every rank gets the
+    same result): the median step, the plan's prediction, each rank's peak memory against its budget."""
     clock = StepClock(lambda trainer: trainer.strategy.emulation.emulator)
-    world_size = len(cluster["machines"][0]["gpus"])
-    layout = (tuple(range(world_size)),) if config.one_stage else None
-    strategy = ZorseStrategy(
-        cluster=cluster,
-        planner_options=PlannerOptions(solver_time_limit_s=config.solver_time_limit_s, stage_layout=layout),
-        emulation_slowdown=config.emulation_slowdown,
-    )
+    world_size = sum(g.get("count", 1) for m in cluster["machines"] for g in m["gpus"])
+    strategy = ZorseStrategy(cluster=cluster, planner_options=options, emulation_slowdown=config.emulation_slowdown)
     trainer = _trainer(strategy, world_size, config, [clock], str(out_dir))
     with trainer.init_module(empty_init=True):
         model = config.model()
     loader = DataLoader(config.dataset(world_size), batch_size=config.per_rank_batch, shuffle=True)
     trainer.fit(model, train_dataloaders=loader)
     plan, emulator = strategy.plan, strategy.emulation.emulator
-    peaks = strategy.all_gather(torch.tensor(float(emulator.peak_memory_bytes))).reshape(-1).tolist()
-    budgets = strategy.all_gather(torch.tensor(float(emulator.spec.memory_budget_bytes))).reshape(-1).tolist()
+    per_rank = lambda value: strategy.all_gather(torch.tensor(float(value))).reshape(-1).tolist()
+    peaks, budgets = per_rank(emulator.peak_memory_bytes), per_rank(emulator.spec.memory_budget_bytes)
+    offloaded = per_rank(strategy.engine.offload.offloaded_bytes if strategy.engine.offload is not None else 0)
     return {
         "samples_per_s": plan.global_batch_size / clock.median_step_s(config.warmup),
         "measured_ms": clock.median_step_s(config.warmup) * 1000.0,
         "predicted_ms": plan.predicted.iteration_ms,
         "predicted_gib_per_rank": list(plan.predicted.memory_gib),
+        "predicted_host_gib_per_rank": list(plan.predicted.host_memory_gib),
         "peak_bytes": peaks,
         "budget_bytes": budgets,
-        "stages": [
-            {"ranks": list(s.ranks), "layers": list(s.layers), "microbatches": list(s.microbatches_per_rank),
-             "sharding": s.sharding_label, "recompute": s.recompute}
-            for s in plan.stages
-        ],
+        "offloaded_bytes": offloaded,
+        "copy_bound_s": per_rank(emulator.copy_bound_s),
+        "stages": [stage_json(s) for s in plan.stages],
+        "idle_ranks": list(plan.idle_ranks),
+        "interleave": plan.interleave,
         "microbatch_size": plan.microbatch_size,
         "overruns_per_rank": _per_rank(strategy, emulator),
         "costs": _costs_json(emulator.calibrated_costs),
     }
+
+
+def _worker(rank: int, out_dir: Path, cluster: dict, config: BigModelConfig) -> dict:
+    layout = (tuple(range(len(cluster["machines"][0]["gpus"]))),) if config.one_stage else None
+    options = PlannerOptions(solver_time_limit_s=config.solver_time_limit_s, stage_layout=layout)
+    return measured_fit(out_dir, cluster, config, options)
 
 
 def bench_cluster(name: str, types: tuple[str, ...], config: BigModelConfig) -> dict:
