@@ -343,12 +343,22 @@ def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward
                     raise PlanningError(f"stage {index} rank {rank}: backward before forward for microbatches {late}")
 
 
+def played_programs(
+    plan: Plan, forward_only: bool = False
+) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[Action | None, ...], ...]]:
+    """Each rank's program of ``plan``, checked to cover every microbatch and to end with unbounded
+    buffers, and the unit-step play that shows it: what pricing needs (the planner prices hundreds of
+    plans; the batches and their rendezvous play, a third of building a schedule, are built for the one
+    that runs, and :func:`rank_batches` cannot deadlock a play that ends, tests/planner/test_p2p_batches.py)."""
+    programs = rank_programs(plan, forward_only)
+    check_coverage(plan, programs, forward_only)
+    return programs, play_in_steps(plan, programs)
+
+
 def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
     """The validated schedule of ``plan`` (forward-only for evaluation and prediction): covered, deadlock-free
     with unbounded buffers (the unit-step play) and under NCCL's rules (its batches' rendezvous play)."""
-    programs = rank_programs(plan, forward_only)
-    check_coverage(plan, programs, forward_only)
-    grid = play_in_steps(plan, programs)
+    programs, grid = played_programs(plan, forward_only)
     batches = rank_batches(plan, programs, grid)
     play_rendezvous(plan, programs, batches)
     return PipelineSchedule(plan.schedule, programs, grid, batches)

@@ -43,7 +43,7 @@ from zorse_lightning.planner.cost.memory import (
     transient_bytes,
 )
 from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
-from zorse_lightning.planner.schedule import Action, ActionKind, build_schedule
+from zorse_lightning.planner.schedule import Action, ActionKind, played_programs
 from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
 from zorse_lightning.units import bytes_to_gib
 
@@ -229,11 +229,11 @@ def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
 
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
-    """The engine's programs of ``plan`` (:func:`..schedule.build_schedule`, validated), once per
-    plan shape in this context (a plan's sharding and prediction do not change them)."""
+    """The engine's programs of ``plan`` (:func:`..schedule.played_programs`: covered, and played to
+    the end), once per plan shape in this context (a plan's sharding and prediction do not change them)."""
     key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank, s.layers) for s in plan.stages))
     if key not in ctx._programs:
-        ctx._programs[key] = build_schedule(plan).programs
+        ctx._programs[key] = played_programs(plan)[0]
     return ctx._programs[key]
 
 
