@@ -17,6 +17,11 @@ def gbps_to_bytes_per_s(bandwidth_gbps: float) -> float:
     return bandwidth_gbps * 1e9 / BITS_PER_BYTE
 
 
+def bytes_per_s_to_gbps(rate_bytes_per_s: float) -> float:
+    """Bytes per second to gigabits per second."""
+    return rate_bytes_per_s * BITS_PER_BYTE / 1e9
+
+
 def gb_per_s_to_gbps(bandwidth_gb_per_s: float) -> float:
     """Gigabytes per second (datasheets) to gigabits per second (this project)."""
     return bandwidth_gb_per_s * BITS_PER_BYTE

@@ -13,6 +13,7 @@ from zorse_lightning.cluster.detection import (
     machine_reports,
     match_device,
     match_machines,
+    with_measured_host_links,
 )
 from zorse_lightning.errors import InventoryError
 
@@ -31,6 +32,21 @@ def test_a_cuda_device_reports_its_name_and_memory():
     assert local_device_report(device) == DeviceReport(
         torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_device_times_its_host_link_when_asked():
+    report = local_device_report(torch.device("cuda", 0), measure_host_link=True)
+    assert 1.0 < report.host_link_gbps < 2000.0  # PCIe 3 x4 .. beyond PCIe 5 x16: a rate, not a unit slip
+
+
+def test_each_gpu_type_takes_the_slowest_host_link_its_ranks_measured():
+    """Offload's copies are priced per type name, so one figure per type: the slowest of its ranks'."""
+    reports = [DeviceReport(A100.name, A100.total_memory_bytes, 200.0), DeviceReport(A100.name, A100.total_memory_bytes, 150.0), T4]
+    inventory = inventory_from_reports(machine_reports([("a", reports[0]), ("a", reports[1]), ("b", reports[2])]))
+    measured = with_measured_host_links(inventory, reports)
+    assert [g.gpu_type.host_link_gbps for g in measured.gpus] == [150.0, 150.0, inventory.gpus[2].gpu_type.host_link_gbps]
+    assert with_measured_host_links(inventory, [A100, A100, None]) == inventory  # nothing measured: the catalog's
 
 
 def test_ranks_group_into_machines_of_different_sizes():

@@ -13,6 +13,7 @@ the cluster layer stays importable without it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from zorse_lightning.cluster.catalog import DEFAULT_CATALOG, GpuCatalog
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory, Machine
 from zorse_lightning.errors import InventoryError
-from zorse_lightning.units import BYTES_PER_GIB
+from zorse_lightning.units import BYTES_PER_GIB, bytes_per_s_to_gbps
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,8 @@ class DeviceReport:
     name: str
     """As ``torch.cuda.get_device_name`` spells it."""
     total_memory_bytes: int
+    host_link_gbps: float | None = None
+    """Measured at start-up (:func:`measured_host_link_gbps`); None: not measured, the catalog's figure holds."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,9 @@ class MachineReport:
     devices: tuple[DeviceReport, ...]
 
 
-def local_device_report(device: torch.device) -> DeviceReport | None:
-    """A device of this machine as detection sees it; None for a non-CUDA device.
+def local_device_report(device: torch.device, measure_host_link: bool = False) -> DeviceReport | None:
+    """A device of this machine as detection sees it; None for a non-CUDA device. ``measure_host_link``:
+    with its host link timed (:func:`measured_host_link_gbps`: start-up, once per rank).
 
     None rather than a description because a CPU rank has no GPU type to
     detect: it emulates the type its inventory lists, and callers skip it.
@@ -58,7 +62,54 @@ def local_device_report(device: torch.device) -> DeviceReport | None:
     import torch
 
     props = torch.cuda.get_device_properties(device)
-    return DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory))
+    link = measured_host_link_gbps(device) if measure_host_link else None
+    return DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory), host_link_gbps=link)
+
+
+HOST_COPY_BYTES = 64 * 2**20
+"""Bytes of the timed copies each way: large enough to reach the link's rate (activation offload copies
+a block's saved tensors at once, megabytes to gigabytes)."""
+
+
+def measured_host_link_gbps(device: torch.device) -> float:
+    """The device's host link as activation offload uses it: one timed copy each way between pinned host
+    memory and the device (after one untimed copy), the slower direction, in Gb/s (the catalog's
+    ``host_link_gbps`` is the PCIe generation's nominal rate; a slot of fewer lanes, or a switch, is slower)."""
+    import torch
+
+    with torch.cuda.device(device):
+        host = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, device=device)
+        on_device.copy_(host)
+        seconds = []
+        for target, source in ((on_device, host), (host, on_device)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1000.0)
+    return bytes_per_s_to_gbps(HOST_COPY_BYTES / max(seconds))
+
+
+def with_measured_host_links(inventory: ClusterInventory, reports: Sequence[DeviceReport | None]) -> ClusterInventory:
+    """``inventory`` (whose rank ``r`` reported ``reports[r]``) with each GPU type's ``host_link_gbps`` the
+    slowest its ranks measured: one figure per type, as the planner prices a type's copies by its name.
+    Types no rank measured keep the catalog's."""
+    measured: dict[str, float] = {}
+    for gpu, report in zip(inventory.gpus, reports):
+        if report is not None and report.host_link_gbps is not None:
+            name = gpu.gpu_type.name
+            measured[name] = min(measured.get(name, math.inf), report.host_link_gbps)
+    if not measured:
+        return inventory
+    machines = tuple(
+        dataclasses.replace(m, gpu_types=tuple(
+            dataclasses.replace(t, host_link_gbps=measured[t.name]) if t.name in measured else t for t in m.gpu_types
+        ))
+        for m in inventory.machines
+    )
+    return dataclasses.replace(inventory, machines=machines)
 
 
 def machine_reports(per_rank: Sequence[tuple[str, DeviceReport]]) -> list[MachineReport]:

@@ -6,7 +6,8 @@ in rank order, so machines may differ in GPU count and type. What a report holds
 how reports become an inventory (machine by machine, a machine's ranks
 contiguous) and how a given inventory's machines are matched to the hosts is the
 cluster layer's, :mod:`zorse_lightning.cluster.detection`; here is only the
-gathering, which needs the process group.
+gathering, which needs the process group. Each rank also times its device's host link (one copy each
+way), which activation offload's copies are priced by.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from zorse_lightning.cluster.detection import (
     local_device_report,
     machine_reports,
     match_machines,
+    with_measured_host_links,
 )
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import InventoryError
@@ -29,13 +31,15 @@ from zorse_lightning.errors import InventoryError
 
 def detect_cluster(device: torch.device, world_size: int) -> ClusterInventory:
     """Collective: every rank calls it once the default process group exists."""
-    report = local_device_report(device)
+    report = local_device_report(device, measure_host_link=True)
     if report is None:
         raise InventoryError(
             "ZorseStrategy was given no cluster and this rank has no GPU to detect; pass "
             "cluster=... (for CPU ranks emulating GPU types: cluster='cpu_sim4' or 'cpu_sim2')"
         )
-    return inventory_from_reports(machine_reports(_gathered_reports(report, world_size)))
+    gathered = _gathered_reports(report, world_size)
+    inventory = inventory_from_reports(machine_reports(gathered))
+    return with_measured_host_links(inventory, [r for _, r in gathered])
 
 
 def placed_inventory(inventory: ClusterInventory, device: torch.device, world_size: int) -> ClusterInventory:
@@ -44,7 +48,8 @@ def placed_inventory(inventory: ClusterInventory, device: torch.device, world_si
     default process group exists; the same inventory on every rank."""
     if inventory.emulated:  # CPU ranks emulate what the inventory lists where it lists it
         return inventory
-    return match_machines(inventory, _gathered_reports(local_device_report(device), world_size))
+    gathered = _gathered_reports(local_device_report(device, measure_host_link=True), world_size)
+    return with_measured_host_links(match_machines(inventory, gathered), [r for _, r in gathered])
 
 
 def _gathered_reports(report: DeviceReport | None, world_size: int) -> list[tuple[str, DeviceReport | None]]:
