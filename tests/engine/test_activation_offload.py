@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from zorse_lightning.engine.activation_offload import ActivationOffload
+from zorse_lightning.engine.cutting import kept_activations_forward
 
 
 def _blocks() -> nn.ModuleList:
@@ -31,6 +32,19 @@ def test_offloaded_blocks_give_the_same_gradients_and_copy_no_weight():
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
     # Per block: the linear's input and the tanh's output (4 x 8 float32 each); its weight stays put.
     assert offload.offloaded_bytes == 3 * 2 * 4 * 8 * 4
+
+
+def test_with_recompute_only_each_block_input_goes_to_host_memory():
+    """Recomputed and offloaded: the checkpoint keeps each block's input, and that is all the offload copies
+    (the tensors the rerun saves stay inside the checkpoint's own hooks); gradients as without either."""
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = _gradients(_blocks(), x)
+    blocks, offload = _blocks(), ActivationOffload(torch.device("cpu"))
+    for index, block in enumerate(blocks):
+        block.forward = kept_activations_forward(offload, index, block, block.forward, recompute=True)
+    both = _gradients(blocks, x)
+    assert all(torch.equal(a, b) for a, b in zip(plain, both))
+    assert offload.offloaded_bytes == 3 * 4 * 8 * 4  # one 4 x 8 float32 input per block
 
 
 def test_the_block_before_is_brought_back_before_the_backward_reaches_it():

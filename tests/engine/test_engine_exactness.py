@@ -155,6 +155,14 @@ CASES = [
         adamw=True,
     ),
     Case(
+        "two_stages_offload_with_recompute_gpipe",
+        [((0, 1), (1, 3), (0, 3)), ((2,), (4,), (3, 4))],
+        offload_stages=(0,),
+        recompute=True,
+        schedule=Schedule.GPIPE,
+        idle=(3,),
+    ),
+    Case(
         "data_parallel_offload_full_per_step",
         [((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))],
         sharding=Sharding.FULL,

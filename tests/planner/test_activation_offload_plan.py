@@ -36,11 +36,6 @@ def test_offload_survives_json_and_old_plans_read_as_keeping_activations():
     assert [s.activations_label for s in Plan.from_dict(old).stages] == ["recompute", "recompute"]
 
 
-def test_offload_with_recompute_is_refused_with_the_fix():
-    with pytest.raises(PlanningError, match="offload_activations with recompute .* choose one"):
-        _two_stages(offload_stages=(0,), recompute=True)
-
-
 # -- priced, not assumed free ------------------------------------------------------------------
 
 
@@ -74,6 +69,23 @@ def test_offload_moves_the_in_flight_activations_to_host_memory():
     assert after.activation_bytes == 2 * 4 * 250_000 + 2 * 4 * 1_000_000 < before.activation_bytes
     assert offloaded.stages[1].memory == kept.stages[1].memory
     assert prediction(ctx, plan, offloaded).host_memory_gib[0] == pytest.approx(16e6 / 2**30, abs=1e-4)
+
+
+def test_offload_with_recompute_moves_only_the_block_inputs_and_pays_both():
+    ctx = _ctx()
+    recomputed = hand_plan([((0,), (8,), (0, 2)), ((1,), (8,), (2, 4))], microbatch_size=4, inventory=ctx.inventory, recompute=True)
+    both = hand_plan(
+        [((0,), (8,), (0, 2)), ((1,), (8,), (2, 4))], microbatch_size=4, inventory=ctx.inventory, recompute=True, offload_stages=(0,)
+    )
+    kept, offloaded = plan_cost(ctx, recomputed), plan_cost(ctx, both)
+    # Two microbatches in flight of two layer inputs (the embedding's and layer 0's outputs) x 4 samples x 0.25 MB.
+    assert offloaded.stages[0].memory[0].host_bytes == 2 * 2 * 4 * 250_000
+    # On the device: each in-flight microbatch's stage output, the layer recomputed and two inputs brought back.
+    assert offloaded.stages[0].memory[0].activation_bytes == 2 * 4 * 250_000 + 4 * 1_000_000 + 2 * 4 * 250_000
+    assert offloaded.stages[0].memory[0].activation_bytes < kept.stages[0].memory[0].activation_bytes
+    assert offloaded.stages[0].times == kept.stages[0].times  # 2 MB at 32 GB/s hides under the compute
+    assert ctx.offload_copy_ms("a100x40", (0, 2), 4, recompute=True) == pytest.approx(2e6 / 32e9 * 1000)
+    assert offloaded.stages[1] == kept.stages[1]
 
 
 def test_copies_cost_only_what_they_last_beyond_the_compute_they_hide_under():

@@ -150,7 +150,10 @@ def _worker(rank: int, tmp: Path) -> dict:
     results["llama"]["pretrained_per_stage"] = _pretrained_per_stage(rank, sim4, asymmetric, tmp)
     offload_every_rank = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4, offload_stages=(0, 1))
     offload_one_rank = hand_plan([((0,), (8,), (0, 2)), ((1, 2, 3), (4, 2, 2), (2, 4))], 2, inventory=sim4, offload_stages=(0,))
-    for case, plan in (("offload_every_rank", offload_every_rank), ("offload_one_rank", offload_one_rank)):
+    offload_with_recompute = hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))], 2, inventory=sim4,
+                                       recompute=True, offload_stages=(1,))
+    for case, plan in (("offload_every_rank", offload_every_rank), ("offload_one_rank", offload_one_rank),
+                       ("offload_with_recompute", offload_with_recompute)):
         strategy = ZorseStrategy(cluster=sim4, plan=plan)
         results["llama"][case] = _difference(_fit("llama", strategy, STEPS, tmp), reference("llama"))
         results["llama"][f"{case}_bytes"] = strategy.engine.offload.offloaded_bytes if strategy.engine.offload else 0
@@ -187,13 +190,14 @@ def test_trains_as_one_process_does(results, arch, case):
     assert not all(result[arch]["planned_idle"] for result in results)  # some rank compared what it trained
 
 
-@pytest.mark.parametrize("case", ["offload_every_rank", "offload_one_rank"])
+@pytest.mark.parametrize("case", ["offload_every_rank", "offload_one_rank", "offload_with_recompute"])
 def test_llama_trains_as_one_process_does_with_its_activations_offloaded(results, case):
-    """Activation offload on both stages of a 2-stage pipeline, and on the one rank of a stage: every
-    saved tensor of the offloading ranks' blocks goes through host memory and back, exactly."""
+    """Activation offload on both stages of a 2-stage pipeline, on the one rank of a stage, and with
+    recomputation on the second stage (only its blocks' inputs go): what the offloading ranks' blocks
+    keep goes through host memory and back, exactly."""
     for rank, result in enumerate(results):
         assert result["llama"][case] < 1e-5, (rank, case, result["llama"])
-    offloading = {"offload_every_rank": (0, 1, 2, 3), "offload_one_rank": (0,)}[case]
+    offloading = {"offload_every_rank": (0, 1, 2, 3), "offload_one_rank": (0,), "offload_with_recompute": (2, 3)}[case]
     assert [rank for rank, r in enumerate(results) if r["llama"][f"{case}_bytes"] > 0] == list(offloading)
 
 

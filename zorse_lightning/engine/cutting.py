@@ -256,7 +256,7 @@ class StageCut:
         return swap_in
 
     def _block_forward(self, index: int, block: nn.Module, original: Callable) -> Callable:
-        compute = kept_activations_forward(self.offload, index, block, original) if self.stage.recompute or self.offload else original
+        compute = kept_activations_forward(self.offload, index, block, original, self.stage.recompute)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             start, end = self.layers_of(self.active)
@@ -275,10 +275,15 @@ class StageCut:
         return forward
 
 
-def kept_activations_forward(offload: ActivationOffload | None, index: int, block: nn.Module, original: Callable) -> Callable:
-    """Block ``index``'s forward as its stage keeps activations for the backward: in host memory where it
-    offloads them (``offload``), else recomputed (the stage's blocks and a one-stage plan's alike)."""
-    return offload.wrap(index, block, original) if offload is not None else checkpoint_forward(original)
+def kept_activations_forward(
+    offload: ActivationOffload | None, index: int, block: nn.Module, original: Callable, recompute: bool
+) -> Callable:
+    """Block ``index``'s forward as its stage keeps activations for the backward (the stage's blocks and a
+    one-stage plan's alike): recomputed (``recompute``), and what is kept in host memory (``offload``): every
+    saved tensor, or with recomputation only the block's input, which is all the checkpoint saves outside
+    its own hooks."""
+    compute = checkpoint_forward(original) if recompute else original
+    return offload.wrap(index, block, compute) if offload is not None else compute
 
 
 def checkpoint_forward(original: Callable) -> Callable:

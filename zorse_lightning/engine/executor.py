@@ -129,7 +129,7 @@ class PipelineEngine:
         if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
             self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
             for index, block in enumerate(blocks.blocks):
-                block.forward = kept_activations_forward(self.offload, index, block, block.forward)
+                block.forward = kept_activations_forward(self.offload, index, block, block.forward, self.groups.stage.recompute)
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
             # Under NCCL the first use of a group makes its communicator and must include every rank;

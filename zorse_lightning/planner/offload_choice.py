@@ -18,11 +18,12 @@ from zorse_lightning.planner.plan import Plan
 
 def offloaded_where_over(ctx: CostContext, plan: Plan, cost: PlanCost) -> Plan | None:
     """``plan`` (priced with its memory as ``cost``) with activations offloaded on every chunk of each group
-    of ranks over memory, unpriced; None where that changes nothing (no group over, or only groups that
-    recompute, gather per microbatch or offload already: offload with recompute is refused by the plan)."""
+    of ranks over memory, unpriced (a group that recomputes offloads what recomputation keeps, its blocks'
+    inputs); None where that changes nothing (no group over, or only groups that gather per microbatch
+    or offload already)."""
     over = {plan.rank_groups[group].ranks for group, _, _ in memory_overruns(ctx, plan, cost)}
     stages = tuple(
-        replace(s, offload_activations=True) if s.ranks in over and not (s.recompute or s.gather_per_microbatch) else s
+        replace(s, offload_activations=True) if s.ranks in over and not s.gather_per_microbatch else s
         for s in plan.stages
     )
     return replace(plan, stages=stages, predicted=None) if stages != plan.stages else None

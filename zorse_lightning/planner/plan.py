@@ -54,8 +54,9 @@ class StagePlan:
     """Keep what backward needs of the stage's blocks in host memory between a microbatch's forward and its
     backward (copied out as the forward saves it, brought back one block ahead of the backward): a small GPU
     then holds one microbatch's activations at a time instead of every microbatch in flight, at the price
-    of the copies over its host link (:meth:`~zorse_lightning.planner.cost.context.CostContext.offload_copy_ms`). Not with ``recompute``
-    yet (which keeps only the block inputs)."""
+    of the copies over its host link (:meth:`~zorse_lightning.planner.cost.context.CostContext.offload_copy_ms`). With
+    ``recompute``, what recomputation keeps (each block's input) goes to host memory: the least device memory
+    of all, at the price of both."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding(self.sharding))
@@ -210,11 +211,6 @@ class Plan:
                 len(stage.shard_fractions) != len(stage.ranks) or abs(sum(stage.shard_fractions) - 1) > 1e-6
             ):
                 yield f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1"
-            if stage.offload_activations and stage.recompute:
-                yield (
-                    f"{where}: offload_activations with recompute (offloading only the block inputs) is not "
-                    f"supported yet; choose one of them"
-                )
             if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
                 yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
             if stage.gather_per_microbatch and len(self.stages) > GATHER_PER_MICROBATCH_MAX_STAGES:

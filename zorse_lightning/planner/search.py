@@ -265,11 +265,12 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
     an upper bound, and a fallback plan. Pinned layer counts are applied by the
     integer program only.
 
-    Where the first split without recomputation does not fit, the same split offloading
-    activations on the stages over memory (:func:`.offload_choice.offloaded_where_over`) is offered to
-    ``choice`` beside it: the alternative to recomputation (or to layers moved off the
-    small GPUs) that the choice keeps only where it is faster, or where nothing else fits.
-    Only there, so that plans that fit without either cost the search nothing more."""
+    Where the first split (without recomputation, then with it) does not fit, the same split
+    offloading activations on the stages over memory (:func:`.offload_choice.offloaded_where_over`;
+    with recomputation, their inputs) is offered to ``choice`` beside it: the alternative to
+    recomputation (or to layers moved off the small GPUs) that the choice keeps only where it is
+    faster, or where nothing else fits. Only there, so that plans that fit without it cost the
+    search nothing more."""
     if options.layer_counts is not None:
         return None
     for recompute in (False, True):
@@ -277,7 +278,7 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
             fitting = plan and _priced_unsharded_where_free(ctx, plan)
             if fitting is not None:
                 return fitting
-            if plan is not None and not recompute and tried == 0 and options.allow_offload:
+            if plan is not None and tried == 0 and options.allow_offload:
                 offloaded = offloaded_where_over(ctx, plan, plan_cost(ctx, plan))
                 choice.offer(offloaded and _priced_unsharded_where_free(ctx, offloaded))
     return None

@@ -61,7 +61,7 @@ def _activations(ctx: CostContext, plan: Plan, group: StagePlan, chunks: tuple[i
         for stage in (plan.stages[c] for c in chunks):
             ends = (stage.layers[0] == 0, stage.layers[1] == plan.num_layers)
             args = (gpu_type, stage.layers, plan.microbatch_size, *ends, stage.recompute)
-            copied += ctx.offload_copy_ms(gpu_type, stage.layers, plan.microbatch_size)
+            copied += ctx.offload_copy_ms(gpu_type, stage.layers, plan.microbatch_size, stage.recompute)
             added += ctx.microbatch_times(*args, True).total_ms - ctx.microbatch_times(*args, False).total_ms
         copy_ms, added_ms = max(copy_ms, copied), max(added_ms, added)
     return f" +offload (copies {copy_ms:.1f} ms each way, +{added_ms:.1f} ms)"

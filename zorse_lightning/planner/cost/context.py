@@ -48,14 +48,16 @@ class CostContext:
                 action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
             )
             if offload:
-                times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size))
+                times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size, recompute))
             self._microbatch_times[key] = times
         return self._microbatch_times[key]
 
-    def offload_copy_ms(self, gpu_type: str, layers: tuple[int, int], microbatch_size: int) -> float:
-        """One way of one microbatch's activation copies on a stage of ``layers`` at ``gpu_type``'s host link."""
+    def offload_copy_ms(self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, recompute: bool = False) -> float:
+        """One way of one microbatch's activation copies on a stage of ``layers`` at ``gpu_type``'s host link
+        (with ``recompute``, of the layers' inputs only)."""
         link_gbps = next(t.host_link_gbps for t in self.inventory.gpu_types if t.name == gpu_type)
-        return offloaded_bytes_per_microbatch(self.profile, layers, microbatch_size) / gbps_to_bytes_per_s(link_gbps) * 1000.0
+        copied = offloaded_bytes_per_microbatch(self.profile, layers, microbatch_size, recompute)
+        return copied / gbps_to_bytes_per_s(link_gbps) * 1000.0
 
     def fastest_layer_ms(self, gpu_type: str, microbatch_size: int) -> float:
         """Forward plus backward of one microbatch through the fastest layer of the profile on ``gpu_type``:

@@ -220,12 +220,14 @@ def _host_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
     """What one microbatch of ``stage`` keeps in host memory (nothing unless it offloads)."""
     if not stage.offload_activations:
         return 0.0
-    return offloaded_bytes_per_microbatch(ctx.profile, stage.layers, plan.microbatch_size)
+    return offloaded_bytes_per_microbatch(ctx.profile, stage.layers, plan.microbatch_size, stage.recompute)
 
 
 def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
     """What an offloading ``stage``'s running microbatch brings back to the device (nothing unless it offloads)."""
-    return offload_working_bytes(ctx.profile, stage.layers, plan.microbatch_size) if stage.offload_activations else 0.0
+    if not stage.offload_activations:
+        return 0.0
+    return offload_working_bytes(ctx.profile, stage.layers, plan.microbatch_size, stage.recompute)
 
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:

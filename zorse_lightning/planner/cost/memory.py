@@ -172,8 +172,9 @@ def activation_bytes_per_microbatch(
     recomputed. Each block's bytes per microbatch (autocast's weight copies) count
     once per microbatch, whatever its size. With offload the layers keep nothing on
     the device but the stage's output (held for its gradient); what they save is in
-    host memory (:func:`offloaded_bytes_per_microbatch`), and the microbatch whose
-    backward runs holds :func:`offload_working_bytes` besides.
+    host memory (:func:`offloaded_bytes_per_microbatch`: with recomputation, only their
+    inputs), and the microbatch whose backward runs holds :func:`offload_working_bytes`
+    besides.
     """
     start, end = layers
     edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
@@ -183,8 +184,7 @@ def activation_bytes_per_microbatch(
     if offload:
         per_sample += chosen[-1].output_bytes_per_sample
     elif recompute:
-        inputs = [profile.layers[i - 1] if i > 0 else profile.embedding for i in range(start, end)]
-        per_sample += sum(b.output_bytes_per_sample for b in inputs)
+        per_sample += sum(b.output_bytes_per_sample for b in _layer_inputs(profile, layers))
         largest = max(chosen, key=lambda b: b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch)
         per_sample += largest.activation_bytes_per_sample
         fixed += largest.activation_bytes_per_microbatch
@@ -194,18 +194,34 @@ def activation_bytes_per_microbatch(
     return per_sample * microbatch_size + fixed
 
 
-def offloaded_bytes_per_microbatch(profile: ModelProfile, layers: tuple[int, int], microbatch_size: int) -> float:
+def _layer_inputs(profile: ModelProfile, layers: tuple[int, int]) -> list[BlockShape]:
+    """The blocks whose outputs are the inputs of ``layers`` (the embedding's for layer 0)."""
+    return [profile.layers[i - 1] if i > 0 else profile.embedding for i in range(*layers)]
+
+
+def offloaded_bytes_per_microbatch(
+    profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, recompute: bool = False
+) -> float:
     """Bytes one microbatch's forward copies to host memory on a stage that offloads: what its layers keep
-    for the backward (the embedding and head keep theirs on the device)."""
+    for the backward (the embedding and head keep theirs on the device); with ``recompute``, what
+    recomputation keeps: each layer's input."""
+    if recompute:
+        return sum(b.output_bytes_per_sample for b in _layer_inputs(profile, layers)) * microbatch_size
     chosen = profile.layers[layers[0] : layers[1]]
     return sum(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in chosen)
 
 
-def offload_working_bytes(profile: ModelProfile, layers: tuple[int, int], microbatch_size: int) -> float:
-    """Device bytes of an offloading stage's running microbatch: the saved tensors of the block whose
-    backward runs and of the one brought back ahead of it (the engine prefetches one block), at most
-    twice the largest layer's."""
-    largest = max(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in profile.layers[layers[0] : layers[1]])
+def offload_working_bytes(
+    profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, recompute: bool = False
+) -> float:
+    """Device bytes of an offloading stage's running microbatch: what it brings back for the block whose
+    backward runs and for the one ahead of it (the engine prefetches one block), at most twice the largest
+    layer's; with ``recompute`` those are two layer inputs, and the layer recomputed holds its activations."""
+    chosen = profile.layers[layers[0] : layers[1]]
+    if recompute:
+        largest = max(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in chosen)
+        return largest + 2.0 * max(b.output_bytes_per_sample for b in _layer_inputs(profile, layers)) * microbatch_size
+    largest = max(b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch for b in chosen)
     return 2.0 * largest
 
 
