@@ -166,3 +166,17 @@ def test_llama_7b_on_four_machines_finds_the_peers_order_and_moves_layers_to_fit
     assert plan.predicted.iteration_ms <= pinned.predicted.iteration_ms * 1.0001
     unmoved = PlannerOptions(stage_layout=layout, layer_counts=(7, 4, 15, 6), microbatch_size=4, max_interleave=2)
     assert make_plan(inventory, profile, 32 * inventory.world_size, unmoved).interleave == 1  # pins are kept as given
+
+
+def test_a_degree_whose_remedy_costs_its_gain_gives_its_simulation_to_the_next() -> None:
+    """a100x4_v100x4, Llama 7B at 8 samples per GPU: the degrees the closed form rates best fit only by
+    offloading on the A100s, whose copies cost more than interleaving gains. Estimated again once fitted,
+    they are not simulated, and the simulations go to the degrees still promising: a finalist at x3, 3.2 %
+    faster (all four simulations went to the offloading degrees before, and the plan stayed plain)."""
+    inventory = load_cluster("a100x4_v100x4")
+    profile = reference_profile("llama_7b", [t.name for t in inventory.gpu_types], 512, "float16")
+    plan = make_plan(inventory, profile, 8 * inventory.world_size)
+    plain = make_plan(inventory, profile, 8 * inventory.world_size, PlannerOptions(max_interleave=1))
+    assert plan.interleave > 1
+    assert plan.predicted.iteration_ms < plain.predicted.iteration_ms * (1 - INTERLEAVE_MARGIN)
+    assert not any(s.offload_activations for s in plan.stages)
