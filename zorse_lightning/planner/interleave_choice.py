@@ -126,13 +126,14 @@ def interleaved_if_faster(
         if sum(t.simulated_ms is not None for t in checked) == MOST_CHECKED or work > budget:
             reasons[f"{trial.label} estimated {trial.estimate_ms:.1f} ms, not checked (the budget went to better estimates)"] = None
             continue
-        fitting, work = _fitting(ctx, trial, allow_offload, not keep_layer_counts, budget)
+        limit_ms = target_ms * (1 + REMEDY_SLACK)
+        fitting, work = _fitting(ctx, trial, allow_offload, not keep_layer_counts, budget, limit_ms)
         budget -= work
         if fitting.refused is None:
             # A remedy (offload's copies, layers moved) may cost what the degree gained: estimated again
             # before it takes one of the simulations, which go to the degrees still promising.
-            fitting.estimate_ms = trial.estimate_ms * fitting.cost.iteration_ms / trial.cost.iteration_ms
-            if fitting.estimate_ms >= target_ms * (1 + REMEDY_SLACK):
+            fitting.estimate_ms = _estimate_ms(trial, fitting.cost)
+            if fitting.estimate_ms >= limit_ms:
                 fitting.refused = f"{trial.label} fits only at {fitting.estimate_ms:.1f} ms estimated ({_remedy(trial, fitting)})"
             else:
                 fitting.simulated_ms = simulate(ctx, fitting.plan).makespan_ms
@@ -237,7 +238,9 @@ def _gain(ms: float, plain_ms: float) -> float:
     return 1 - ms / plain_ms
 
 
-def _fitting(ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: bool, budget: int) -> tuple[Trial, int]:
+def _fitting(
+    ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: bool, budget: int, limit_ms: float
+) -> tuple[Trial, int]:
     """``timed`` with its memory priced, and the recording work that took. Where it does not fit (more
     activations in flight), the remedies the search itself uses are priced: its groups of several GPUs
     sharded as the search shards them (:data:`.problem.SEARCH_SHARDING`), and from there, each apart,
@@ -245,18 +248,23 @@ def _fitting(ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: b
     layer counts are pinned (``move_layers`` False), up to :data:`MOST_LAYERS_MOVED` layers moved off the group most over memory, one at a time, each to the
     group then least busy (the peers' structure of four whole machines at Llama 7B fits only so); the
     fastest that fits is kept. Each pricing records the programs, so the remedies stop where ``budget``
-    runs out. Refused where none fits, or where its programs cannot be recorded."""
+    runs out, and an offload or a move is first timed without its memory (no programs recorded): one
+    whose estimate (:func:`_estimate_ms`) reaches ``limit_ms`` is not priced further, and no layer is
+    moved after it. Refused where none fits, or where its programs cannot be recorded."""
     plan, work = timed.plan, work_of(timed.plan)
     try:
         cost = plan_cost(ctx, plan)
     except PlanningError as error:  # no 1F1B order exists for it
         return replace(timed, refused=f"{timed.label}: {error}"), work
     first_over = over = memory_overruns(ctx, plan, cost)
-    fitting = []
+    fitting, too_slow = [], []
 
-    def priced(candidate: Plan | None) -> tuple[Plan, PlanCost, list] | None:
+    def priced(candidate: Plan | None, screened: bool = True) -> tuple[Plan, PlanCost, list] | None:
         nonlocal work
         if candidate is None or work + work_of(candidate) > budget:
+            return None
+        if screened and _estimate_ms(timed, plan_cost(ctx, candidate, memory=False)) >= limit_ms:
+            too_slow.append(candidate)
             return None
         work += work_of(candidate)
         candidate_cost = plan_cost(ctx, candidate)
@@ -265,7 +273,7 @@ def _fitting(ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: b
             fitting.append((candidate, candidate_cost))
         return candidate, candidate_cost, candidate_over
 
-    if over and (sharded := priced(_sharded(ctx, plan))) is not None:
+    if over and (sharded := priced(_sharded(ctx, plan), screened=False)) is not None:
         plan, cost, over = sharded
     if over and allow_offload:
         priced(offloaded_where_over(ctx, plan, cost))
@@ -280,9 +288,15 @@ def _fitting(ctx: CostContext, timed: Trial, allow_offload: bool, move_layers: b
         plan, cost = min(fitting, key=lambda f: f[1].iteration_ms)
         return replace(timed, plan=plan, cost=cost), work
     group, rank, gib = max(first_over, key=lambda o: o[2])
+    slow = "; what would make it fit costs more than it gains" if too_slow else ""
     return replace(timed, cost=cost, refused=(
-        f"{timed.label} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)"
+        f"{timed.label} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight{slow})"
     )), work
+
+
+def _estimate_ms(trial: Trial, cost: PlanCost) -> float:
+    """``trial``'s estimate for its plan changed to one priced ``cost`` (the closed form's ratio of the two)."""
+    return trial.estimate_ms * cost.iteration_ms / trial.cost.iteration_ms
 
 
 MOST_LAYERS_MOVED = 3

@@ -61,6 +61,7 @@ from zorse_lightning.planner import baseline_plans
 from zorse_lightning.planner.choice import MOST_SIMULATED_WORK, Choice, price, work_of
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import (
+    PlanCost,
     memory_overruns,
     plan_cost,
     prediction,
@@ -275,11 +276,12 @@ def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds
         return None
     for recompute in (False, True):
         for tried, plan in enumerate(_quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute)):
-            fitting = plan and _priced_unsharded_where_free(ctx, plan)
+            cost = plan and plan_cost(ctx, plan)
+            fitting = plan and _priced_unsharded_where_free(ctx, plan, cost)
             if fitting is not None:
                 return fitting
             if plan is not None and tried == 0 and options.allow_offload:
-                offloaded = offloaded_where_over(ctx, plan, plan_cost(ctx, plan))
+                offloaded = offloaded_where_over(ctx, plan, cost)
                 choice.offer(offloaded and _priced_unsharded_where_free(ctx, offloaded))
     return None
 
@@ -405,7 +407,7 @@ def _microbatch_sizes(global_batch_size: int, options: PlannerOptions, profile: 
     return usable
 
 
-def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
+def _priced_unsharded_where_free(ctx: CostContext, plan: Plan, cost: PlanCost | None = None) -> Plan | None:
     """The plan, priced, with its stages unsharded where they fit and that is no slower
     (fewer collectives to get wrong); None when it does not fit even sharded.
 
@@ -414,9 +416,10 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan) -> Plan | None:
     ``optimizer_gradients``) and a longer optimizer step (each GPU steps all of the
     stage's parameters). The iteration is the pipeline plus the longest such tail of
     any stage, so unsharding costs nothing while the stage's new tail stays within
-    the plan's longest (another stage's, since its own only grows).
+    the plan's longest (another stage's, since its own only grows). ``cost``: the plan's, where the
+    caller priced it already.
     """
-    cost = plan_cost(ctx, plan)
+    cost = cost or plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
         return None
     stages = list(plan.stages)
