@@ -49,12 +49,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.emulation.emulator import (
-    DEFAULT_FASTEST_SLOWDOWN,
-    ComputeEmulator,
-    emulation_spec_for_rank,
-    named_emulated_modules,
-)
+from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
+from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN, emulation_spec_for_rank
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy

@@ -20,12 +20,10 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.emulation.emulator import (
     ComputeEmulator,
     EmulatedOutOfMemoryError,
-    EmulationSpec,
-    cpu_cores_demanded,
     emulated_modules,
-    emulation_spec_for_rank,
     named_emulated_modules,
 )
+from zorse_lightning.emulation.spec import EmulationSpec, cpu_cores_demanded, emulation_spec_for_rank
 from zorse_lightning.emulation import emulator as emulator_module
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import InventoryError, ZorseUserError

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.emulation.calibration import cost_key
-from zorse_lightning.emulation.emulator import ComputeEmulator, EmulationSpec, emulation_spec_for_rank
+from zorse_lightning.emulation.emulator import ComputeEmulator
+from zorse_lightning.emulation.spec import EmulationSpec, emulation_spec_for_rank
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.engine.activation_offload import ActivationOffload
 from zorse_lightning.errors import ZorseUserError

@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.emulation.emulator import emulation_spec_for_rank
+from zorse_lightning.emulation.spec import emulation_spec_for_rank
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.module.blocks import find_block_list
 from zorse_lightning.planner.options import PlannerOptions

@@ -26,7 +26,7 @@ from typing_extensions import override
 from zorse_lightning.cluster.detection import local_device_report, match_device
 from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
+from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
 from zorse_lightning.errors import ZorseUserError
 
 ACCELERATOR_NAME = "zorse"

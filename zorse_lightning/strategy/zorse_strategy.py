@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.emulation.emulator import DEFAULT_FASTEST_SLOWDOWN
+from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
 from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
