@@ -22,6 +22,30 @@ def test_the_public_api_is_one_import_line():
     subprocess.run([sys.executable, "-c", line], check=True)
 
 
+@pytest.mark.multiprocess
+def test_the_strategy_is_registered_whichever_is_imported_first():
+    """The package loads lazily and registers when Lightning is imported: before it, after it, or by
+    importing one of our modules that imports Lightning (the hook then runs inside that import)."""
+    check = (
+        "from lightning.pytorch.strategies import StrategyRegistry; "
+        "from lightning.pytorch.accelerators import AcceleratorRegistry; "
+        "assert {'zorse', 'zorse_gpipe', 'zorse_spawn'} <= set(StrategyRegistry), sorted(StrategyRegistry); "
+        "assert 'zorse' in AcceleratorRegistry; "
+        "assert type(StrategyRegistry.get('zorse_spawn')).__name__ == 'ZorseStrategy'"
+    )
+    orders = [
+        "import zorse_lightning; import lightning",
+        "import lightning.pytorch; import zorse_lightning",
+        "from zorse_lightning import ZorseStrategy",
+        "from zorse_lightning import EmulateCluster",
+        "import zorse_lightning.strategy.zorse_strategy",
+        "import zorse_lightning.emulation.callback",
+    ]
+    for first in orders:
+        result = subprocess.run([sys.executable, "-c", f"{first}; {check}"], capture_output=True, text=True)
+        assert result.returncode == 0, (first, result.stderr[-2000:])
+
+
 def test_a_schedule_pin_reaches_the_planner_so_it_prices_what_runs():
     assert ZorseStrategy(cluster="cpu_sim2", schedule="gpipe")._planner_options.schedule is Schedule.GPIPE
     assert ZorseStrategy(cluster="cpu_sim2")._planner_options.schedule is None

@@ -108,5 +108,5 @@ def test_logged_values_are_weighted_by_samples_and_merged():
 
 
 def test_registered_names():
-    assert StrategyRegistry["zorse"]["strategy"] is ZorseStrategy
+    assert type(StrategyRegistry.get("zorse")) is ZorseStrategy
     assert StrategyRegistry["zorse_gpipe"]["init_params"] == {"schedule": "gpipe"}

@@ -16,7 +16,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import ZorseUserError
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.profiling import reference_profile
-from zorse_lightning.startup.device_profile import ProfiledModel
+from zorse_lightning.startup.profiled_sizes import ProfiledModel
 
 
 def profile_from_config(

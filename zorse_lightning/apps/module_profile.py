@@ -40,7 +40,8 @@ from zorse_lightning.module.blocks import find_block_list
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.profiling.estimate import estimated_block_times
 from zorse_lightning.profiling.profile import DeviceTimes, ModelProfile, ProfileSource
-from zorse_lightning.startup.device_profile import DeviceInputs, ProfiledModel, profile_on_device
+from zorse_lightning.startup.device_profile import DeviceInputs, profile_on_device
+from zorse_lightning.startup.profiled_sizes import ProfiledModel
 from zorse_lightning.startup.step_costs import OptimizerFactory, optimizer_factory
 from zorse_lightning.strategy.trainer_inputs import quiet_training_step
 

@@ -38,7 +38,7 @@ from zorse_lightning.module.microbatch import microbatch_slice, samples_in
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.profiling.measure import Call, ForwardContext, assemble_profile, out_of_memory_errors
 from zorse_lightning.profiling.profile import ModelProfile
-from zorse_lightning.startup.profiled_sizes import sizes_to_profile
+from zorse_lightning.startup.profiled_sizes import ProfiledModel, sizes_to_profile
 from zorse_lightning.startup.step_costs import OptimizerFactory, measure_action_overhead_ms
 from zorse_lightning.startup.type_profile import (
     PROFILE_TIMING,
@@ -107,17 +107,6 @@ class DeviceMeasurement:
     """None where not counted (start-up counts them on rank 0 alone)."""
     calibrated_costs: Mapping[str, CallCost] | None = None
     """The emulated modules' CPU costs the measurement was charged on (None when not emulated)."""
-
-
-@dataclass(frozen=True)
-class ProfiledModel:
-    """A profile to plan from, and the microbatch sizes it may be planned at."""
-
-    profile: ModelProfile
-    sizes: tuple[int, ...] | None
-    """The sizes every GPU type measured (None: none measured, as in a reference profile)."""
-    why_not: str = ""
-    """Why no larger size was measured (the batch's samples per rank, a type's memory): for the plan's note."""
 
 
 def block_calls(

@@ -7,11 +7,23 @@ priced off the measured points, so a plan never rests on a size no device ran.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.options import PlannerOptions
+from zorse_lightning.profiling.profile import ModelProfile
 
+
+
+@dataclass(frozen=True)
+class ProfiledModel:
+    """A profile to plan from, and the microbatch sizes it may be planned at."""
+
+    profile: ModelProfile
+    sizes: tuple[int, ...] | None
+    """The sizes every GPU type measured (None: none measured, as in a reference profile)."""
+    why_not: str = ""
+    """Why no larger size was measured (the batch's samples per rank, a type's memory): for the plan's note."""
 
 def sizes_to_profile(options: PlannerOptions, samples: int) -> tuple[int, ...]:
     """Microbatch sizes start-up measures: 1, 2, 4, ... and the planner's candidates up to the ``samples`` a

@@ -732,19 +732,6 @@ class ZorseStrategy(ParallelStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="zorse: plans and trains on mixed GPU types"
-        )
-        strategy_registry.register(
-            "zorse_gpipe", cls, description="zorse, planned and run with the GPipe schedule", schedule="gpipe"
-        )
-        strategy_registry.register(
-            "zorse_spawn", cls, description="zorse, processes started with multiprocessing spawn", start_method="spawn"
-        )
-
 
 def model_blocks(module: torch.nn.Module, block_path: str | None) -> ModelBlocks:
     """What the plan check needs of the module: its blocks' sizes, or why it has no block list."""
