@@ -162,3 +162,28 @@ def test_lower_bound_counts_every_layer_of_one_microbatch() -> None:
     layout = ((0,), (4,), (8,), (9,))
     fastest = min(ctx.fastest_layer_ms(t.name, 4) for t in inventory.gpu_types)
     assert lower_bound_ms(ctx, layout, 4, 4) >= 12 * fastest
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_the_any_layout_bound_holds_for_every_layout_of_its_ranks_and_the_sub_cluster_plan(m: int) -> None:
+    """The bound the search skips planning the fastest type alone by is below every layout's bound on
+    those GPUs or fewer, and below the simulated time of the plan made on their sub-cluster."""
+    from zorse_lightning.planner.baseline_plans import fastest_type_cluster
+    from zorse_lightning.planner.bound import any_layout_lower_bound_ms
+    from zorse_lightning.planner.search import make_plan
+
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
+    ctx = CostContext.build(inventory, profile)
+    everyone = tuple(range(inventory.world_size))
+    checked = 0
+    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+        used = tuple(sorted(r for stage in layout for r in stage))
+        for ranks in {used, everyone}:
+            assert any_layout_lower_bound_ms(ctx, ranks, m, 16) <= lower_bound_ms(ctx, layout, m, 16) * (1 + 1e-12)
+            checked += 1
+    assert checked > 20
+    sub, ranks = fastest_type_cluster(ctx)
+    alone = make_plan(sub, profile, 16, PlannerOptions(microbatch_sizes=(m,)))
+    assert alone.predicted.closed_form_ms is not None  # simulated
+    assert any_layout_lower_bound_ms(ctx, ranks, m, 16) <= alone.predicted.iteration_ms

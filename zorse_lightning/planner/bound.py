@@ -38,9 +38,7 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
     types = [Counter(ctx.inventory.gpus[r].gpu_type.name for r in s) for s in layout]  # per stage: GPUs of each type
     fastest_layer = {t: ctx.fastest_layer_ms(t, m) for t in {t for s in types for t in s}}
     extras = {(t, s): block_extras(ctx, t, m, s == 0, s == last)[0] for s, stage in enumerate(types) for t in stage}
-    head_and_embedding = min(block_extras(ctx, t, m, True, True)[0] / fastest_layer[t] for t in fastest_layer)
-    capacity = sum(n / fastest_layer[t] for s in types for t, n in s.items())
-    whole_model = num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
+    whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
     one_layer_per_stage = max(
         num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
     )
@@ -52,6 +50,24 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras),
     ) + transfers
     return compute + update_lower_bound_ms(ctx, [r for ranks in layout for r in ranks])
+
+
+def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, global_batch_size: int) -> float:
+    """No plan on ``ranks`` or any subset of them, whatever its layout, at microbatch size ``m`` is faster:
+    the whole model's work spread over all of them at their fastest layer time, then the optimizer step
+    spread over them by speed (the terms of :func:`lower_bound_ms` that need no layout). Lets the search
+    skip planning a sub-cluster (the fastest type alone) that cannot beat the plan it holds."""
+    count = Counter(ctx.inventory.gpus[r].gpu_type.name for r in ranks)
+    fastest_layer = {t: ctx.fastest_layer_ms(t, m) for t in count}
+    return _whole_model_ms(ctx, count, fastest_layer, m, global_batch_size // m) + update_lower_bound_ms(ctx, list(ranks))
+
+
+def _whole_model_ms(ctx: CostContext, count: Counter[str], fastest_layer: dict[str, float], m: int, num_m: int) -> float:
+    """Every microbatch through every layer and the cheapest embedding and head, spread over ``count``'s
+    GPUs (of each type) at their fastest layer time: no GPU of them is ever idle."""
+    head_and_embedding = min(block_extras(ctx, t, m, True, True)[0] / fastest_layer[t] for t in count)
+    capacity = sum(n / fastest_layer[t] for t, n in count.items())
+    return num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
 
 
 def bottleneck_bound_ms(
