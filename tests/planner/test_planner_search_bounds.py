@@ -187,3 +187,27 @@ def test_the_any_layout_bound_holds_for_every_layout_of_its_ranks_and_the_sub_cl
     alone = make_plan(sub, profile, 16, PlannerOptions(microbatch_sizes=(m,)))
     assert alone.predicted.closed_form_ms is not None  # simulated
     assert any_layout_lower_bound_ms(ctx, ranks, m, 16) <= alone.predicted.iteration_ms
+
+
+def test_a_stage_unsharded_where_free_is_priced_as_a_fresh_pricing_would() -> None:
+    """The search reuses a stage's times when it unshards it (sharding changes only what follows the last
+    backward): the plan's prediction equals the prediction of the unsharded plan priced from scratch."""
+    from zorse_lightning.capabilities import Sharding
+    from zorse_lightning.planner.cost.evaluate import plan_cost, prediction
+    from zorse_lightning.planner.search import _priced_unsharded_where_free, _quick_splits
+
+    inventory = load_cluster("a10g_l4_t4")
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
+    ctx = CostContext.build(inventory, profile)
+    windows, speeds = WindowCosts(ctx), speed_by_type(ctx)
+    unsharded = 0
+    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+        for m in (1, 4):
+            plan = next(_quick_splits(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, False))
+            found = plan and _priced_unsharded_where_free(ctx, plan)
+            if found is None:
+                continue
+            unsharded += sum(a.sharding is not b.sharding for a, b in zip(found.stages, plan.stages))
+            assert found.predicted == prediction(ctx, found, plan_cost(ctx, found))
+            assert all(s.sharding in (Sharding.NONE, Sharding.OPTIMIZER_GRADIENTS) for s in found.stages)
+    assert unsharded > 5

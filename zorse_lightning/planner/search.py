@@ -65,7 +65,6 @@ from zorse_lightning.planner.cost.evaluate import (
     memory_overruns,
     plan_cost,
     prediction,
-    stage_cost,
     stage_memory,
     stage_own_sync_ms,
     stage_update_ms,
@@ -428,27 +427,24 @@ def _priced_unsharded_where_free(ctx: CostContext, plan: Plan, cost: PlanCost | 
     cost = cost or plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
         return None
-    stages = list(plan.stages)
+    stages, stage_costs = list(plan.stages), list(cost.stages)
     for i, stage in enumerate(plan.stages):
-        if stage.sharding is Sharding.NONE:
+        if stage.sharding is Sharding.NONE or stage.gather_per_microbatch:
             continue
         unsharded = _unsharded(stage)
-        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
-        fits = all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory))
-        if not fits:
-            continue
         shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
         own_sync_ms = stage_own_sync_ms(ctx, plan, i, unsharded)
-        if shared_sync_ms + own_sync_ms + max(stage_update_ms(ctx, plan, i, unsharded)) <= cost.tail_ms:
-            stages[i] = unsharded
+        update_ms = stage_update_ms(ctx, plan, i, unsharded)
+        if shared_sync_ms + own_sync_ms + max(update_ms) > cost.tail_ms:
+            continue
+        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
+        if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
+            # Sharding changes none of the stage's times, only what follows its last backward.
+            stages[i], stage_costs[i] = unsharded, replace(cost.stages[i], sync_ms=own_sync_ms, update_ms=update_ms, memory=memory)
     if stages == list(plan.stages):
         return replace(plan, predicted=prediction(ctx, plan, cost))
     unsharded_plan = replace(plan, stages=tuple(stages))
-    stage_costs = tuple(
-        stage_cost(ctx, unsharded_plan, i) if new is not old else cost.stages[i]
-        for i, (new, old) in enumerate(zip(stages, plan.stages))
-    )
-    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, stage_costs)))
+    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, tuple(stage_costs))))
 
 
 def _unsharded(stage: StagePlan) -> StagePlan:
