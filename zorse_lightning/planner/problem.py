@@ -84,6 +84,27 @@ class WindowCosts:
     def parameters(self) -> tuple[float, ...]:
         return self._memo(("params",), lambda: _window_max([float(b.parameters) for b in self.ctx.profile.layers]))
 
+    def stage_tail_ms(
+        self, ranks: tuple[int, ...], sharding: Sharding, first: bool, last: bool, tied_ms: float
+    ) -> tuple[float, ...]:
+        """By layer count: a stage's synchronisation over ``ranks`` (and a tied weight's ``tied_ms``) and its
+        slowest group's optimizer step at an even share of the state. No microbatch size changes it, so
+        each stage of a layout is priced once for all sizes (a third of building a program, before)."""
+
+        def make():
+            ctx, per = self.ctx, profile_state_bytes(self.ctx.profile)
+            extra_params = edge_parameters(ctx, first, last)
+            even_share = parameters_updated(1.0, sharding, (1.0 / len(ranks),))[0]  # of the stage's parameters, per rank
+            groups = stage_groups(ctx, ranks)
+            return tuple(
+                stage_sync_ms(ctx.links, ranks, p * per.weights, p * per.gradients, sharding)
+                + tied_ms
+                + max(_update_ms(ctx, group, p * even_share) for group in groups)
+                for p in (p + extra_params for p in self.parameters())
+            )
+
+        return self._memo(("tail", ranks, sharding, first, last, tied_ms), make)
+
     def activation_bytes(self, microbatch_size: int, recompute: bool) -> tuple[float, ...]:
         """Per microbatch; with recomputation the inputs plus the largest layer once."""
 
@@ -131,16 +152,21 @@ def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: b
     host does not overlap the device (on CUDA it hides under the compute, as :func:`.cost.compute.stage_microbatch_times` prices it)."""
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
     time = 0.0 if device.host_overlaps_device else 2 * ctx.action_overhead_ms(gpu_type)
-    params = act = 0.0
+    act = 0.0
     if first:
         time += device.embedding.forward.at(microbatch_size) + device.embedding.backward.at(microbatch_size)
-        params += profile.embedding.parameters
         act += profile.embedding.activation_bytes_per_sample * microbatch_size + profile.embedding.activation_bytes_per_microbatch
     if last:
         time += device.head.forward.at(microbatch_size) + device.head.backward.at(microbatch_size)
-        params += 0 if (profile.tied_embedding_head and first) else profile.head.parameters
         act += profile.head.activation_bytes_per_sample * microbatch_size + profile.head.activation_bytes_per_microbatch
-    return time, params, act
+    return time, edge_parameters(ctx, first, last), act
+
+
+def edge_parameters(ctx: CostContext, first: bool, last: bool) -> float:
+    """Parameters of the embedding and head a stage holds (a tied head's once)."""
+    profile = ctx.profile
+    head = 0 if (profile.tied_embedding_head and first) else profile.head.parameters
+    return (profile.embedding.parameters if first else 0.0) + (head if last else 0.0)
 
 
 def _update_ms(ctx: CostContext, group: tuple[int, ...], parameters: float) -> float:
@@ -174,7 +200,6 @@ def build_problem(
         groups = stage_groups(ctx, ranks)
         extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
-        even_share = parameters_updated(1.0, sharding, (1.0 / len(ranks),))[0]  # of the stage's parameters, per rank
         costs = []
         for group in groups:
             gpu_type = ctx.inventory.gpus[group[0]].gpu_type.name
@@ -195,12 +220,7 @@ def build_problem(
             StageCosts(
                 groups=tuple(costs),
                 latency_ms=tuple(max(c.microbatch_ms[k] for c in costs) for k in range(num_layers)),
-                tail_ms=tuple(
-                    stage_sync_ms(ctx.links, ranks, p * per.weights, p * per.gradients, sharding)
-                    + (tied_ms if first or last else 0.0)
-                    + max(_update_ms(ctx, group, p * even_share) for group in groups)
-                    for p in params
-                ),
+                tail_ms=windows.stage_tail_ms(ranks, sharding, first, last, tied_ms if first or last else 0.0),
                 sharded_bytes=tuple(stage_state_bytes(p, per, sharding)[1] for p in params),
                 max_in_flight=None if candidate.schedule is Schedule.GPIPE else one_f_one_b_warmup(widths, s) + 1,
             )
