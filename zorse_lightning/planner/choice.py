@@ -27,6 +27,7 @@ every GPU, and its note says by how much.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zorse_lightning.planner.cost.context import CostContext
@@ -160,19 +161,20 @@ class Choice:
             self._simulate(index)
         self.settle()
 
-    def runners_up(self, count: int) -> list[Plan]:
-        """Up to ``count`` simulated plans after :attr:`chosen`, fastest first, each of its own structure
-        (stage groups, layers, microbatch size) and idling the same ranks as the chosen one: the finalists
-        whose interleaving :mod:`.interleave_choice` tries beside the chosen plan's (one idling other
-        ranks would have to be weighed against :data:`IDLE_MARGIN` again)."""
+    def runners_up(self, count: int, key: Callable[[Plan], float] = _ms) -> list[Plan]:
+        """Up to ``count`` simulated plans after :attr:`chosen`, least ``key`` first (their time unless
+        given), each of its own structure (stage groups, layers, microbatch size) and idling the same ranks
+        as the chosen one: the finalists whose interleaving :mod:`.interleave_choice` tries beside the
+        chosen plan's (one idling other ranks would have to be weighed against :data:`IDLE_MARGIN` again)."""
         chosen = self.chosen
         if chosen is None:
             return []
         seen, kept = {_structure(chosen)}, []
-        for plan in sorted(self.pool, key=_ms):
+        simulated = [p for p in self.pool if p.predicted.closed_form_ms is not None and p.idle_ranks == chosen.idle_ranks]
+        for plan in sorted(simulated, key=key):
             if len(kept) == count:
                 break
-            if plan.predicted.closed_form_ms is None or plan.idle_ranks != chosen.idle_ranks or _structure(plan) in seen:
+            if _structure(plan) in seen:
                 continue
             seen.add(_structure(plan))
             kept.append(plan)
