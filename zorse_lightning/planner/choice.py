@@ -161,17 +161,25 @@ class Choice:
             self._simulate(index)
         self.settle()
 
-    def runners_up(self, count: int, key: Callable[[Plan], float] = _ms) -> list[Plan]:
-        """Up to ``count`` simulated plans after :attr:`chosen`, least ``key`` first (their time unless
-        given), each of its own structure (stage groups, layers, microbatch size) and idling the same ranks
-        as the chosen one: the finalists whose interleaving :mod:`.interleave_choice` tries beside the
-        chosen plan's (one idling other ranks would have to be weighed against :data:`IDLE_MARGIN` again)."""
+    def runners_up(self, count: int, key: Callable[[Plan], float] = _ms, reach: float = 0.0) -> list[Plan]:
+        """Up to ``count`` plans after :attr:`chosen`, least ``key`` first (their time unless given), each
+        of its own structure (stage groups, layers, microbatch size) and idling the same ranks as the chosen
+        one: the finalists whose interleaving :mod:`.interleave_choice` tries beside the chosen plan's (one
+        idling other ranks would have to be weighed against :data:`IDLE_MARGIN` again). Simulated plans, and
+        where ``reach`` is given, plans not simulated whose closed form is within that factor of the chosen
+        plan's time and whose simulation is cheap (at most :data:`FINALIST_WORK`): the simulations of
+        :meth:`finalists` go to the fastest plain plans, which are not always those interleaving speeds most."""
         chosen = self.chosen
         if chosen is None:
             return []
         seen, kept = {_structure(chosen)}, []
-        simulated = [p for p in self.pool if p.predicted.closed_form_ms is not None and p.idle_ranks == chosen.idle_ranks]
-        for plan in sorted(simulated, key=key):
+        candidates = [
+            p for p in self.pool if p.idle_ranks == chosen.idle_ranks and (
+                p.predicted.closed_form_ms is not None
+                or (_ms(p) <= _ms(chosen) * reach and simulable(p) and work_of(p) <= FINALIST_WORK)
+            )
+        ]
+        for plan in sorted(candidates, key=key):
             if len(kept) == count:
                 break
             if _structure(plan) in seen:

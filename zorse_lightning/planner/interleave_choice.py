@@ -54,7 +54,12 @@ summed stays within :data:`MOST_RECORDING_WORK`: one degree at 1024 GPUs (about 
 four wherever recording is cheap (the chosen plan's two best degrees and two of the finalists')."""
 FINALISTS = 2
 """Plans after the chosen one whose interleaving is tried (:meth:`.choice.Choice.runners_up`), twice: the
-fastest, and those whose time interleaving could bring lowest (:func:`best_case_ms`)."""
+fastest, and those whose time interleaving could bring lowest (:func:`best_case_ms`), among the plans
+within :data:`REACH` of the chosen one."""
+REACH = 1.1
+"""How much slower plain than the chosen plan a plan not simulated by the search may be and still be
+interleaved as a finalist: interleaving gained at most 6 % on the shipped and peers' clusters (each such
+finalist costs a simulation and a closed form per degree)."""
 REMEDY_SLACK = 0.05
 """A degree made to fit by a remedy (:func:`_fitting`) is estimated again, and simulated unless that estimate
 misses the target by more than this: the closed form and the simulation of an interleaved plan differ by
@@ -203,14 +208,14 @@ def _most_gained(base: PlanCost, degree: int) -> float:
 
 
 def best_case_ms(ctx: CostContext, plain: Plan, most: int) -> float:
-    """``plain``'s simulated time less the most interleaving up to ``most`` could save of it: how the
-    search ranks its plans for :data:`FINALISTS` (a plan a little slower plain, with more fill and drain
-    to shorten, can come out ahead interleaved: 4 % on Llama 3B on four machines of four types, at
-    microbatch 8 where the plain plans are best at 4)."""
+    """``plain``'s time (simulated where it was) less the most interleaving up to ``most`` could save of
+    it: how the search ranks its plans for :data:`FINALISTS` (a plan a little slower plain, with more fill
+    and drain to shorten, can come out ahead interleaved: 4 % on Llama 3B on four machines of four types,
+    at microbatch 8 where the plain plans are best at 4)."""
     top = degrees(plain, most)[-1]
     if top < 2 or plain.interleave > 1:
-        return _simulated_ms(ctx, plain)
-    return _simulated_ms(ctx, plain) * (1 - _most_gained(plan_cost(ctx, plain, memory=False), top))
+        return plain.predicted.iteration_ms
+    return plain.predicted.iteration_ms * (1 - _most_gained(plan_cost(ctx, plain, memory=False), top))
 
 
 def _thick_enough(plain: Plan, degree: int, base: PlanCost) -> Plan:
