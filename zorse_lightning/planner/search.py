@@ -77,7 +77,7 @@ from zorse_lightning.planner.cost.evaluate import (
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
-from zorse_lightning.planner.interleave_choice import FINALISTS, REACH, best_case_ms, interleaved_if_faster
+from zorse_lightning.planner.interleave_choice import FINALISTS, GAINING_FINALISTS, REACH, best_case_ms, interleaved_if_faster
 from zorse_lightning.planner.offload_choice import offloaded_where_over
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
@@ -174,7 +174,7 @@ def _search(
                 choice.offer(found)
                 break
     _gathered_per_microbatch(ctx, layouts, sizes, schedules[0], global_batch_size, speeds, choice, notes)
-    _offer_other_orders(ctx, windows, set(layouts), global_batch_size, speeds, options, choice)
+    _offer_other_orders(ctx, windows, set(layouts), sizes, global_batch_size, speeds, options, choice)
     if _unpinned(options):
         _offer_baselines(ctx, profile, global_batch_size, options, sizes, choice)
     choice.finalists()
@@ -244,12 +244,12 @@ def _offer_baselines(
 
 def _finalists(ctx: CostContext, choice: Choice, most: int) -> list[Plan]:
     """The plans after the chosen one whose interleaving is tried: the :data:`FINALISTS` fastest, and the
-    :data:`FINALISTS` whose time interleaving could bring lowest (:func:`.interleave_choice.best_case_ms`).
+    :data:`GAINING_FINALISTS` whose time interleaving could bring lowest (:func:`.interleave_choice.best_case_ms`).
     Either alone misses plans the other finds (Llama 7B on 4 A100s and 4 V100s at 8 samples a GPU: a fast
     finalist, 3.2 % faster at x3; Llama 3B on four machines of four types: a slower one at microbatch 8,
-    4 % faster at x2); the degrees' estimates decide which few are simulated."""
+    4 % faster at x2); the degrees' estimates decide which are checked (their closed forms cost little)."""
     fastest = choice.runners_up(FINALISTS)
-    gaining = choice.runners_up(FINALISTS, lambda plan: best_case_ms(ctx, plan, most), REACH)
+    gaining = choice.runners_up(GAINING_FINALISTS, lambda plan: best_case_ms(ctx, plan, most), REACH)
     return fastest + [plan for plan in gaining if all(plan is not kept for kept in fastest)]
 
 
@@ -361,23 +361,25 @@ types, Llama tiny runs 0.7 % faster in an order none of the rules gives."""
 
 
 def _offer_other_orders(
-    ctx: CostContext, windows: WindowCosts, tried: set[Layout], global_batch_size: int, speeds: dict[str, float],
-    options: PlannerOptions, choice: Choice,
+    ctx: CostContext, windows: WindowCosts, tried: set[Layout], sizes: list[int], global_batch_size: int,
+    speeds: dict[str, float], options: PlannerOptions, choice: Choice,
 ) -> None:
     """Offer ``choice`` the heuristic split of each order of the chosen plan's stage groups that the search
-    did not try (``tried``), at its microbatch size, where it has 2 to :data:`MOST_ORDERED_GROUPS` groups and
-    neither the layout nor the layer counts are pinned; orders whose bound cannot change the choice are skipped."""
+    did not try (``tried``), at each microbatch size of ``sizes`` (the best order at one size may be the
+    one that interleaves best at another), where it has 2 to :data:`MOST_ORDERED_GROUPS` groups and neither
+    the layout nor the layer counts are pinned; orders whose bound cannot change the choice are skipped."""
     if options.stage_layout is not None or options.layer_counts is not None:
         return
     choice.settle()
     chosen = choice.chosen
     if chosen is None or not 2 <= len(chosen.stages) <= MOST_ORDERED_GROUPS or any(s.gather_per_microbatch for s in chosen.stages):
         return
-    m, world = chosen.microbatch_size, ctx.inventory.world_size
+    world = ctx.inventory.world_size
     for order in permutations(tuple(s.ranks for s in chosen.stages)):
-        if order in tried or _past(choice, lower_bound_ms(ctx, order, m, global_batch_size), _uses(order, world)):
-            continue
-        choice.offer(_heuristic_plan(ctx, windows, order, m, chosen.schedule, global_batch_size, speeds, options, choice))
+        for m in sizes:
+            if order in tried or _past(choice, lower_bound_ms(ctx, order, m, global_batch_size), _uses(order, world)):
+                continue
+            choice.offer(_heuristic_plan(ctx, windows, order, m, chosen.schedule, global_batch_size, speeds, options, choice))
 
 
 def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:

@@ -232,8 +232,10 @@ def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
     """The engine's programs of ``plan`` (:func:`..schedule.played_programs`: covered, and played to
-    the end), once per plan shape in this context (a plan's sharding and prediction do not change them)."""
-    key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank, s.layers) for s in plan.stages))
+    the end), once per plan shape in this context: the order of a rank's actions follows its stages'
+    ranks and microbatch shares, not their layers, sharding, activations or prediction (the remedies of
+    an interleaving degree that does not fit, layers moved or activations offloaded, record none again)."""
+    key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank) for s in plan.stages))
     if key not in ctx._programs:
         ctx._programs[key] = played_programs(plan)[0]
     return ctx._programs[key]
