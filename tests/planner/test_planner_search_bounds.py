@@ -18,7 +18,8 @@ from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
 from zorse_lightning.planner.bound import lower_bound_ms
 from zorse_lightning.planner.choice import Choice
-from zorse_lightning.planner.search import _heuristic_plan, _layouts
+from zorse_lightning.planner.first_split import heuristic_plan
+from zorse_lightning.planner.search import _layouts
 
 from test_planner_fixtures import synthetic_profile
 
@@ -105,7 +106,7 @@ def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
     for layout in _layouts(ctx, options):
         for m in (1, 4):
             offloaded = Choice(None)  # the split offloading where it is over memory, where offered
-            plan = _heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options, offloaded)
+            plan = heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options, offloaded)
             for priced_plan in [p for p in (plan,) if p is not None] + offloaded.pool:
                 assert lower_bound_ms(ctx, layout, m, 32) <= priced_plan.predicted.iteration_ms * (1 + 1e-12)
                 checked += 1
@@ -194,7 +195,7 @@ def test_a_stage_unsharded_where_free_is_priced_as_a_fresh_pricing_would() -> No
     backward): the plan's prediction equals the prediction of the unsharded plan priced from scratch."""
     from zorse_lightning.capabilities import Sharding
     from zorse_lightning.planner.cost.evaluate import plan_cost, prediction
-    from zorse_lightning.planner.search import _priced_unsharded_where_free, _quick_splits
+    from zorse_lightning.planner.first_split import priced_unsharded_where_free, quick_splits
 
     inventory = load_cluster("a10g_l4_t4")
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
@@ -203,8 +204,8 @@ def test_a_stage_unsharded_where_free_is_priced_as_a_fresh_pricing_would() -> No
     unsharded = 0
     for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
         for m in (1, 4):
-            plan = next(_quick_splits(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, False))
-            found = plan and _priced_unsharded_where_free(ctx, plan)
+            plan = next(quick_splits(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, False))
+            found = plan and priced_unsharded_where_free(ctx, plan)
             if found is None:
                 continue
             unsharded += sum(a.sharding is not b.sharding for a, b in zip(found.stages, plan.stages))

@@ -64,23 +64,14 @@ from zorse_lightning.planner.bound import any_layout_lower_bound_ms, lower_bound
 from zorse_lightning.planner import baseline_plans
 from zorse_lightning.planner.choice import MOST_SIMULATED_WORK, Choice, price, work_of
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import (
-    PlanCost,
-    memory_overruns,
-    plan_cost,
-    prediction,
-    stage_memory,
-    stage_own_sync_ms,
-    stage_update_ms,
-    with_stage_costs,
-)
+from zorse_lightning.planner.first_split import heuristic_plan, priced_unsharded_where_free
+from zorse_lightning.planner.search_inputs import check_inputs, microbatch_sizes
 from zorse_lightning.planner.grouping import Layout, candidate_layouts, fastest_type_subsets
-from zorse_lightning.planner.heuristic import HEURISTIC, balanced_plan, priced, speed_by_type
+from zorse_lightning.planner.heuristic import HEURISTIC, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.interleave_choice import FINALISTS, GAINING_FINALISTS, REACH, best_case_ms, interleaved_if_faster
-from zorse_lightning.planner.offload_choice import offloaded_where_over
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan, SolverRecord, StagePlan
+from zorse_lightning.planner.plan import Plan, SolverRecord
 from zorse_lightning.planner.problem import (
     SEARCH_SHARDING,
     Candidate,
@@ -128,12 +119,12 @@ def _search(
     programs: ProgramLog | None,
 ) -> Plan:
     started = time.perf_counter()
-    _check_inputs(inventory, profile, global_batch_size, options)
+    check_inputs(inventory, profile, global_batch_size, options)
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
     windows = WindowCosts(ctx)
     notes = () if options.allow_pipeline else (f"data parallel only: {options.no_pipeline_reason}",)
     layouts = _layouts(ctx, options)
-    sizes = _microbatch_sizes(global_batch_size, options, profile)
+    sizes = microbatch_sizes(global_batch_size, options, profile)
     schedules = [options.schedule] if options.schedule is not None else [Schedule.ONE_F_ONE_B]
     speeds = speed_by_type(ctx)
     bounded = sorted(
@@ -147,7 +138,7 @@ def _search(
             break
         if _past(choice, bound, _uses(layout, world)):
             continue
-        heuristic = _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options, choice)
+        heuristic = heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options, choice)
         choice.offer(heuristic)
         scored.append((heuristic.predicted.iteration_ms if heuristic else float("inf"), bound, i, layout, m, schedule, heuristic))
     solves = 0
@@ -162,7 +153,7 @@ def _search(
             start = _start_from(heuristic, groups) if heuristic and heuristic.stages[0].recompute == recompute else None
             assignment = solve_assignment(problem, options.solver_time_limit_s, start)
             solves += 1
-            found = assignment and _priced_unsharded_where_free(
+            found = assignment and priced_unsharded_where_free(
                 ctx, to_plan(ctx, candidate, assignment, groups, global_batch_size, notes)
             )
             if programs is not None:
@@ -283,41 +274,6 @@ def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
     return counts, shares
 
 
-def _heuristic_plan(ctx, windows, layout, m, schedule, global_batch_size, speeds, options, choice: Choice) -> Plan | None:
-    """The first of a candidate's quick splits (:func:`_quick_splits`) that fits, priced:
-    an upper bound, and a fallback plan. Pinned layer counts are applied by the
-    integer program only.
-
-    Where the first split (without recomputation, then with it) does not fit, the same split
-    offloading activations on the stages over memory (:func:`.offload_choice.offloaded_where_over`;
-    with recomputation, their inputs) is offered to ``choice`` beside it: the alternative to
-    recomputation (or to layers moved off the small GPUs) that the choice keeps only where it is
-    faster, or where nothing else fits. Only there, so that plans that fit without it cost the
-    search nothing more."""
-    if options.layer_counts is not None:
-        return None
-    for recompute in (False, True):
-        for tried, plan in enumerate(_quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute)):
-            cost = plan and plan_cost(ctx, plan)
-            fitting = plan and _priced_unsharded_where_free(ctx, plan, cost)
-            if fitting is not None:
-                return fitting
-            if plan is not None and tried == 0 and options.allow_offload:
-                offloaded = offloaded_where_over(ctx, plan, cost)
-                choice.offer(offloaded and _priced_unsharded_where_free(ctx, offloaded))
-    return None
-
-
-def _quick_splits(ctx, windows, layout, m, schedule, global_batch_size, speeds, recompute):
-    """Balanced layers, else balanced layers within each stage's memory (in the integer
-    program's model, whose building costs more: made only when needed)."""
-    common = dict(schedule=schedule, recompute=recompute, speeds=speeds)
-    yield balanced_plan(ctx, windows, layout, m, global_batch_size, **common)
-    candidate = Candidate(layout, m, schedule, SEARCH_SHARDING, recompute)
-    fit = build_problem(ctx, windows, candidate, global_batch_size, None)
-    yield balanced_plan(ctx, windows, layout, m, global_batch_size, fit=fit, **common)
-
-
 EVEN_SPLIT = SolverRecord("even split", "one stage gathered per microbatch: microbatches split evenly")
 
 
@@ -379,36 +335,13 @@ def _offer_other_orders(
         for m in sizes:
             if order in tried or _past(choice, lower_bound_ms(ctx, order, m, global_batch_size), _uses(order, world)):
                 continue
-            choice.offer(_heuristic_plan(ctx, windows, order, m, chosen.schedule, global_batch_size, speeds, options, choice))
+            choice.offer(heuristic_plan(ctx, windows, order, m, chosen.schedule, global_batch_size, speeds, options, choice))
 
 
 def _nothing_to_choose(ctx: CostContext, layout: Layout) -> bool:
     """One stage of identical GPUs: the even split is the program's only solution, and
     the heuristic plan already has it (a program would only use up the budget)."""
     return len(layout) == 1 and len(stage_groups(ctx, layout[0])) == 1
-
-
-def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
-    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
-        raise PlanningError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per iteration)")
-    missing = [t.name for t in inventory.gpu_types if t.name not in profile.devices]
-    if missing:
-        raise PlanningError(
-            f"profile of {profile.model!r} has no times for GPU type(s) {missing} of cluster {inventory.name!r} "
-            f"(has: {sorted(profile.devices)}); profile on those GPUs or use an estimated profile"
-        )
-    if options.layer_counts is not None and sum(options.layer_counts) != profile.num_layers:
-        raise PlanningError(
-            f"pinned layer_counts {list(options.layer_counts)} sum to {sum(options.layer_counts)}, "
-            f"but {profile.model!r} has {profile.num_layers} layers; make them add up"
-        )
-    if options.stage_layout is not None:
-        seen = sorted(r for s in options.stage_layout for r in s)
-        if seen != list(range(inventory.world_size)) or any(not s for s in options.stage_layout):
-            raise PlanningError(
-                f"pinned stage_layout uses ranks {seen}; it must use every rank 0..{inventory.world_size - 1} "
-                f"of cluster {inventory.name!r} exactly once, in non-empty stages"
-            )
 
 
 def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
@@ -435,67 +368,6 @@ def _layouts(ctx: CostContext, options: PlannerOptions) -> list[Layout]:
     if not options.allow_pipeline and len(layouts[0]) > 1:
         raise PlanningError("allow_pipeline=False allows only one stage, but the pinned stage_layout has more")
     return layouts
-
-
-def _microbatch_sizes(global_batch_size: int, options: PlannerOptions, profile: ModelProfile) -> list[int]:
-    """The candidate sizes that divide the global batch and, on a measured profile, were measured: a size
-    beyond the measured ones would be priced on a line through two points, which the planner never does."""
-    sizes = [options.microbatch_size] if options.microbatch_size is not None else list(options.microbatch_sizes)
-    measured = profile.measured_sizes
-    if measured is not None:
-        unmeasured = [m for m in sizes if m not in measured]
-        sizes = [m for m in sizes if m in measured]
-        if not sizes:
-            raise PlanningError(
-                f"microbatch sizes {unmeasured} were not measured (the profile holds sizes {list(measured)}); the "
-                f"planner prices measured sizes only: give one of {list(measured)}, or profile the larger sizes"
-            )
-    usable = [m for m in sizes if global_batch_size % m == 0]
-    if not usable:
-        raise PlanningError(
-            f"no microbatch size in {sizes} divides global_batch_size={global_batch_size}; "
-            f"pick a global batch that is a multiple of one of them, or add a divisor to the sizes"
-        )
-    return usable
-
-
-def _priced_unsharded_where_free(ctx: CostContext, plan: Plan, cost: PlanCost | None = None) -> Plan | None:
-    """The plan, priced, with its stages unsharded where they fit and that is no slower
-    (fewer collectives to get wrong); None when it does not fit even sharded.
-
-    Unsharding a stage changes only what it does after its last backward: an
-    all-reduce instead of a reduce-scatter and an all-gather (the same traffic at
-    ``optimizer_gradients``) and a longer optimizer step (each GPU steps all of the
-    stage's parameters). The iteration is the pipeline plus the longest such tail of
-    any stage, so unsharding costs nothing while the stage's new tail stays within
-    the plan's longest (another stage's, since its own only grows). ``cost``: the plan's, where the
-    caller priced it already.
-    """
-    cost = cost or plan_cost(ctx, plan)
-    if memory_overruns(ctx, plan, cost):
-        return None
-    stages, stage_costs = list(plan.stages), list(cost.stages)
-    for i, stage in enumerate(plan.stages):
-        if stage.sharding is Sharding.NONE or stage.gather_per_microbatch:
-            continue
-        unsharded = _unsharded(stage)
-        shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
-        own_sync_ms = stage_own_sync_ms(ctx, plan, i, unsharded)
-        update_ms = stage_update_ms(ctx, plan, i, unsharded)
-        if shared_sync_ms + own_sync_ms + max(update_ms) > cost.tail_ms:
-            continue
-        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
-        if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
-            # Sharding changes none of the stage's times, only what follows its last backward.
-            stages[i], stage_costs[i] = unsharded, replace(cost.stages[i], sync_ms=own_sync_ms, update_ms=update_ms, memory=memory)
-    if stages == list(plan.stages):
-        return replace(plan, predicted=prediction(ctx, plan, cost))
-    unsharded_plan = replace(plan, stages=tuple(stages))
-    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, tuple(stage_costs))))
-
-
-def _unsharded(stage: StagePlan) -> StagePlan:
-    return replace(stage, sharding=Sharding.NONE, shard_fractions=())
 
 
 __all__ = ["ProgramLog", "ProgramRun", "make_plan"]
