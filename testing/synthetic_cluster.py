@@ -53,3 +53,12 @@ def synthetic_cluster(num_gpus: int = 1024, gpus_per_machine: int = 8) -> Cluste
     return ClusterInventory(
         f"synthetic{num_gpus}", machines, inter_machine_bandwidth_gbps=INTER_RACK_GBPS, machine_links=rack_links
     )
+
+
+def four_machines_four_types() -> ClusterInventory:
+    """16 GPUs: one machine of 4 of each of four types (A100-40GB, A6000, V100-16GB, A10G), 100 Gb/s between
+    machines: the cluster shape of the peers' planners' plans (issue 30), where the order of whole machines
+    as pipeline groups is left to the embedding, the head and the activations in flight."""
+    types = ("a100x40", "a6000", "v100x16", "a10g")
+    machines = tuple(Machine(f"m{i}-{t}", (DEFAULT_CATALOG.get(t),) * 4, intra_bandwidth_gbps=600.0) for i, t in enumerate(types))
+    return ClusterInventory("four16", machines, inter_machine_bandwidth_gbps=100.0)

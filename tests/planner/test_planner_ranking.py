@@ -8,7 +8,6 @@ from functools import lru_cache
 
 import pytest
 
-from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import CostContext, PlannerOptions, all_baselines, make_plan
 from zorse_lightning.planner import choice as choice_module
@@ -18,6 +17,7 @@ from zorse_lightning.planner.interleave_choice import _thick_enough
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.profiling import reference_profile
+from testing.synthetic_cluster import four_machines_four_types
 
 DC2 = "dc2_a100x8_v100x8"
 BATCH = 512
@@ -106,13 +106,6 @@ def test_no_plan_is_slower_than_a_baseline_in_its_own_prediction(name: str) -> N
             continue
         margin = IDLE_MARGIN if baseline.world_size < inventory.world_size and not plan.idle_ranks else 0.0
         assert plan.predicted.iteration_ms * (1 - margin) <= baseline.predicted.iteration_ms * (1 + 1e-9), label
-
-
-def four_machines_four_types() -> ClusterInventory:
-    """16 GPUs: one machine of 4 of each of four types, 100 Gb/s between machines (the peers' cluster shape)."""
-    types = ("a100x40", "a6000", "v100x16", "a10g")
-    machines = tuple(Machine(f"m{i}-{t}", (DEFAULT_CATALOG.get(t),) * 4, intra_bandwidth_gbps=600.0) for i, t in enumerate(types))
-    return ClusterInventory("four16", machines, inter_machine_bandwidth_gbps=100.0)
 
 
 def test_whole_machines_of_one_type_as_stages_sharded_interleaved() -> None:
