@@ -33,7 +33,7 @@ The integer programs: :func:`make_plan` records each program it solves
 started from, both priced; ``ilp`` sums them up (see :func:`ilp_summary`).
 
 The last line printed is one JSON object: ``{"cases", "worse_than_a_baseline",
-"missing_plans", "median_ratio_to_bound", "median_stages_per_plan",
+"missing_plans", "median_ratio_to_bound", "median_ratio_to_used_bound", "median_stages_per_plan",
 "median_idle_gpus_per_plan", "interleaved_plans", "ilp", "per_case": [...], "allow_idle_ranks",
 "skipped"}`` (each case also gives its plan's ``simulated_ms`` (the prediction, the simulation of the
 engine's programs; None where the closed form predicts it) and ``closed_form_ms`` (the closed form the
@@ -88,6 +88,8 @@ class Case:
     plan_ms: float | None
     baselines_ms: dict[str, float | None]
     bound_ms: float
+    used_bound_ms: float | None = None
+    """The same bound over the GPUs the plan uses (its idle ones left out; None: no plan)."""
     stages: int | None = None
     """Pipeline stages of the plan (None: no plan)."""
     idle_gpus: int | None = None
@@ -114,6 +116,13 @@ class Case:
     @property
     def ratio_to_bound(self) -> float | None:
         return None if self.plan_ms is None else self.plan_ms / self.bound_ms
+
+    @property
+    def ratio_to_used_bound(self) -> float | None:
+        """Plan against the bound over the GPUs it uses: how much of their compute it leaves unused. Not a
+        ratio to a bound on every plan: the GPUs it idles could in principle help (the planner idles them
+        only where every plan it found using them is slower by :data:`IDLE_MARGIN`)."""
+        return None if self.plan_ms is None or self.used_bound_ms is None else self.plan_ms / self.used_bound_ms
 
     @property
     def best_baseline_ms(self) -> float | None:
@@ -148,6 +157,8 @@ class Case:
             "baselines": self.baselines_ms,
             "bound_ms": self.bound_ms,
             "ratio_to_bound": self.ratio_to_bound,
+            "used_bound_ms": self.used_bound_ms,
+            "ratio_to_used_bound": self.ratio_to_used_bound,
             "stages": self.stages,
             "idle_gpus": self.idle_gpus,
             "sharding": self.sharding,
@@ -176,7 +187,9 @@ def layer_sample_ms(curve_pair, sizes: list[int]) -> float:
     return min((curve_pair.forward.at(m) + curve_pair.backward.at(m)) / m for m in sizes)
 
 
-def compute_bound_ms(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, sizes: list[int]) -> float:
+def compute_bound_ms(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, sizes: list[int], idle: tuple[int, ...] = (),
+) -> float:
     """Iteration time if every GPU computed layers only, each layer at its least time per sample
     over the microbatch sizes ``sizes`` (see :func:`layer_sample_ms`), no GPU ever waiting.
 
@@ -187,13 +200,15 @@ def compute_bound_ms(inventory: ClusterInventory, profile: ModelProfile, global_
     (every reference profile), spreading the ``batch x layers`` layer-samples over the GPUs by speed
     gives ``batch / sum over GPUs of 1 / (sum over layers of its time per sample)``. When layers differ,
     a type may be relatively faster on some layers, so the bound is the linear program that assigns
-    layer-samples to GPU types freely (:func:`_assignment_bound_ms`).
+    layer-samples to GPU types freely (:func:`_assignment_bound_ms`). ``idle``: ranks left out (the same
+    bound over the GPUs a plan uses: no global bound, see :attr:`Case.ratio_to_used_bound`).
     """
+    gpus = [g for rank, g in enumerate(inventory.gpus) if rank not in idle]
     per_sample = {t.name: [layer_sample_ms(l, sizes) for l in profile.times(t.name).layers] for t in inventory.gpu_types}
     if all(len(set(times)) <= 1 for times in per_sample.values()):
-        samples_per_ms = sum(1.0 / sum(per_sample[g.gpu_type.name]) for g in inventory.gpus)
+        samples_per_ms = sum(1.0 / sum(per_sample[g.gpu_type.name]) for g in gpus)
         return global_batch_size / samples_per_ms
-    counts = {t: sum(g.gpu_type.name == t for g in inventory.gpus) for t in per_sample}
+    counts = {t: sum(g.gpu_type.name == t for g in gpus) for t in per_sample}
     return _assignment_bound_ms(per_sample, counts, global_batch_size)
 
 
@@ -241,10 +256,12 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "closed_form_ms": plan.predicted.closed_form_ms or plan.predicted.iteration_ms,
         "simulated_ms": plan.predicted.iteration_ms if plan.predicted.closed_form_ms is not None else None,
     }
-    bound = compute_bound_ms(inventory, profile, batch, microbatch_sizes_of(batch, inventory.world_size, options))
+    sizes = microbatch_sizes_of(batch, inventory.world_size, options)
+    bound = compute_bound_ms(inventory, profile, batch, sizes)
+    used_bound = plan and compute_bound_ms(inventory, profile, batch, sizes, plan.idle_ranks)
     return Case(
-        cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, programs=tuple(programs.runs),
-        idle_baselines=idle_baselines, **shape,
+        cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, used_bound,
+        programs=tuple(programs.runs), idle_baselines=idle_baselines, **shape,
     )
 
 
@@ -312,6 +329,9 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
         "worse_than_a_baseline": sum(c.worse_than_a_baseline for c in cases),
         "missing_plans": sum(c.missing_plan for c in cases),
         "median_ratio_to_bound": statistics.median(ratios) if ratios else None,
+        "median_ratio_to_used_bound": statistics.median(used) if (used := [
+            c.ratio_to_used_bound for c in cases if c.ratio_to_used_bound is not None
+        ]) else None,
         "median_stages_per_plan": statistics.median(c.stages for c in planned) if planned else None,
         "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
         "interleaved_plans": {str(d): sum(c.interleave == d for c in planned) for d in sorted({c.interleave for c in planned})},
@@ -355,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(
         f"{result['cases']} cases ({len(skipped)} skipped: nothing fits); worse than a baseline: "
         f"{result['worse_than_a_baseline']}; missing plans: {result['missing_plans']}; "
-        f"median plan / bound: {result['median_ratio_to_bound']:.3f}; median stages per plan: "
+        f"median plan / bound: {result['median_ratio_to_bound']:.3f} (over the GPUs each plan uses: "
+        f"{result['median_ratio_to_used_bound']:.3f}); median stages per plan: "
         f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}; "
         f"plans by interleaving degree: {result['interleaved_plans']} (interleaving offered: {args.interleaving})"
     )

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from bench.plan_quality import compute_bound_ms, microbatch_sizes_of
+from bench.plan_quality import compute_bound_ms, layer_sample_ms, microbatch_sizes_of
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import PlannerOptions, all_baselines, data_parallel_equal, make_plan
 from zorse_lightning.planner.search import ProgramLog
+from zorse_lightning.profiling import reference_profile
 from zorse_lightning.profiling.profile import BlockTimes, TimeCurve
 
 from test_planner_fixtures import real_gpu_profile, synthetic_profile
@@ -112,3 +113,18 @@ def test_program_log_records_each_program_against_its_start() -> None:
     for run in log.runs:
         if run.gain is not None:
             assert run.gain == pytest.approx((run.start_ms - run.plan_ms) / run.start_ms)
+
+
+def test_the_bound_over_the_gpus_a_plan_uses_leaves_its_idle_ones_out() -> None:
+    """bench/plan_quality's second figure: the compute bound over the GPUs a plan uses. Leaving the four
+    V100s of a100x4_v100x4 out gives the bound of the four A100s alone: the whole batch over their rate."""
+    inventory = load_cluster("a100x4_v100x4")
+    profile = reference_profile("llama_7b", [t.name for t in inventory.gpu_types], 512, "float16")
+    sizes = microbatch_sizes_of(64, inventory.world_size, PlannerOptions())
+    every = compute_bound_ms(inventory, profile, 64, sizes)
+    v100s = tuple(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name != "a100x40")
+    a100s_alone = compute_bound_ms(inventory, profile, 64, sizes, idle=v100s)
+    assert compute_bound_ms(inventory, profile, 64, sizes, idle=()) == every
+    per_sample_ms = sum(layer_sample_ms(l, sizes) for l in profile.times("a100x40").layers)
+    assert a100s_alone == pytest.approx(64 * per_sample_ms / 4, rel=1e-12)
+    assert a100s_alone > every
