@@ -29,10 +29,10 @@ from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.strategy.accelerator import (
     ZorseCPUAccelerator,
-    register_accelerator,
     resolve_accelerator,
 )
 from zorse_lightning.emulation.callback import EmulateCluster
+from zorse_lightning.strategy.registration import register_with_lightning
 from zorse_lightning.units import BYTES_PER_GIB
 
 FLOAT_BYTES = 4
@@ -420,7 +420,7 @@ class _ClusterStrategy(DDPStrategy):
 
 @pytest.mark.parametrize("flag", ["cpu", "auto", "zorse"])
 def test_accelerator_is_picked_whatever_the_flag(flag: str) -> None:
-    register_accelerator()
+    register_with_lightning()
     trainer = pl.Trainer(strategy=_ClusterStrategy(ONE_T4), accelerator=flag, devices=1, logger=False)
     accelerator = trainer.accelerator
     assert isinstance(accelerator, ZorseCPUAccelerator)

@@ -31,7 +31,9 @@ def test_the_strategy_is_registered_whichever_is_imported_first():
         "from lightning.pytorch.accelerators import AcceleratorRegistry; "
         "assert {'zorse', 'zorse_gpipe', 'zorse_spawn'} <= set(StrategyRegistry), sorted(StrategyRegistry); "
         "assert 'zorse' in AcceleratorRegistry; "
-        "assert type(StrategyRegistry.get('zorse_spawn')).__name__ == 'ZorseStrategy'"
+        "assert type(StrategyRegistry.get('zorse_spawn')).__name__ == 'ZorseStrategy'; "
+        "assert type(AcceleratorRegistry.get('zorse')).__name__ in ('ZorseCPUAccelerator', 'ZorseCUDAAccelerator'); "
+        "assert AcceleratorRegistry['zorse']['accelerator'].is_available()"
     )
     orders = [
         "import zorse_lightning; import lightning",
@@ -40,6 +42,8 @@ def test_the_strategy_is_registered_whichever_is_imported_first():
         "from zorse_lightning import EmulateCluster",
         "import zorse_lightning.strategy.zorse_strategy",
         "import zorse_lightning.emulation.callback",
+        "from zorse_lightning.strategy.accelerator import cuda_index_for",  # a torchrun worker's first import
+        "from zorse_lightning.strategy.environment import HeterogeneousEnvironment",
     ]
     for first in orders:
         result = subprocess.run([sys.executable, "-c", f"{first}; {check}"], capture_output=True, text=True)

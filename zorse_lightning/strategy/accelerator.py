@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from typing_extensions import override
 
 from zorse_lightning.cluster.detection import local_device_report, match_device
@@ -28,8 +28,8 @@ from zorse_lightning.cluster.gpu_type import GpuType
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
 from zorse_lightning.errors import ZorseUserError
+from zorse_lightning.strategy.registration import ACCELERATOR_NAME
 
-ACCELERATOR_NAME = "zorse"
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,6 @@ class ZorseAccelerator(Accelerator):
     @override
     def name() -> str:
         return ACCELERATOR_NAME
-
-    @classmethod
-    @override
-    def register_accelerators(cls, accelerator_registry: Any) -> None:
-        accelerator_registry.register(
-            ACCELERATOR_NAME, cls, description="zorse: per-rank GPU types, CPU ranks emulating them"
-        )
 
 
 class ZorseCPUAccelerator(CPUAccelerator, ZorseAccelerator):
@@ -176,12 +169,6 @@ def resolve_accelerator(
         f"accelerator={_spelling(chosen)} is not supported by zorse, which runs on CUDA GPUs or on CPU ranks "
         f"emulating GPU types; use accelerator='gpu', 'cpu' or 'auto'"
     )
-
-
-def register_accelerator() -> None:
-    """Make ``Trainer(accelerator="zorse")`` work; safe to call more than once."""
-    if ACCELERATOR_NAME not in AcceleratorRegistry:
-        ZorseAccelerator.register_accelerators(AcceleratorRegistry)
 
 
 def _spelling(accelerator: Accelerator | str | None) -> str:
