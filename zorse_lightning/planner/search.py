@@ -331,9 +331,9 @@ def _offer_other_orders(
     if chosen is None or not 2 <= len(chosen.stages) <= MOST_ORDERED_GROUPS or any(s.gather_per_microbatch for s in chosen.stages):
         return
     world = ctx.inventory.world_size
-    for order in permutations(tuple(s.ranks for s in chosen.stages)):
+    for order in (o for o in permutations(tuple(s.ranks for s in chosen.stages)) if o not in tried):
         for m in sizes:
-            if order in tried or _past(choice, lower_bound_ms(ctx, order, m, global_batch_size), _uses(order, world)):
+            if _past(choice, lower_bound_ms(ctx, order, m, global_batch_size), _uses(order, world)):
                 continue
             choice.offer(heuristic_plan(ctx, windows, order, m, chosen.schedule, global_batch_size, speeds, options, choice))
 
