@@ -18,12 +18,10 @@ from testing.netns import NetnsCluster, NetnsMachine
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
+from zorse_lightning.planner.cost.phases import CollectiveBackend, gloo_broadcast_phases, gloo_reduce_phases
 from zorse_lightning.planner.cost.comm import (
     LINK_EFFICIENCY,
-    CollectiveBackend,
     LinkTable,
-    gloo_broadcast_phases,
-    gloo_reduce_phases,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     ring_reduce_scatter_ms,
