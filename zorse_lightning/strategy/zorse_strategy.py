@@ -14,8 +14,9 @@ Start-up is one call: :func:`~zorse_lightning.startup.plan_at_start.run_startup`
 takes the first batch and the user's step and returns the plan. No rank holds
 more than its stage: nothing moves to the device before the engine's cut, and a
 module built on the meta device (``configure_model``,
-``init_module(empty_init=True)``) is materialized per stage. One class: its
-arguments are the user's, everything the run learns or builds is one record
+``init_module(empty_init=True)``) is materialized per stage. One class (its
+checkpoint, snapshot and failure hooks in its base, :class:`~.checkpoint_hooks.CheckpointHooks`):
+its arguments are the user's, everything the run learns or builds is one record
 (:class:`~.run_state.RunState`); what needs no Lightning API lives below
 (engine, its checkpoint package, start-up, the planner's plan check).
 """
@@ -35,11 +36,10 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -48,7 +48,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
-from zorse_lightning.engine.checkpoint import relaunch, shards, survivors
+from zorse_lightning.engine.checkpoint import relaunch, shards
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.host_group import broadcast_module, host_group
@@ -64,14 +64,15 @@ from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_sc
 from zorse_lightning.startup.detection import detect_cluster, placed_inventory
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
 from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
+from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
 from zorse_lightning.strategy.gradient_stash import GradientStash
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, quiet_merged_metric_advice, replay
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
 from zorse_lightning.strategy.run_state import RunState
-from zorse_lightning.strategy.sampler import SamplerState, plan_dataloader
-from zorse_lightning.strategy.snapshots import SurvivorSnapshots, keeping_directory
+from zorse_lightning.strategy.sampler import plan_dataloader
+from zorse_lightning.strategy.snapshots import SurvivorSnapshots
 from zorse_lightning.strategy.trainer_inputs import quiet_training_step, rank_emulation, startup_inputs, training_loader
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -79,7 +80,7 @@ ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
 PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
 
 
-class ZorseStrategy(ParallelStrategy):
+class ZorseStrategy(CheckpointHooks):
     """Trains one LightningModule over the mixed GPUs of ``cluster`` by a planned pipeline.
 
     Args:
@@ -600,117 +601,6 @@ class ZorseStrategy(ParallelStrategy):
             return
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
         self._state.clip_patched = True
-
-    # -- checkpoints, snapshots, failures -----------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._state.tensorless_dump:
-            return {}
-        return shards.local_module_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self._state.tensorless_dump:
-            return {"param_groups": shards.optimizer_hyperparameters(optimizer)}
-        return shards.local_optimizer_state(optimizer, self.lightning_module)
-
-    def _snapshot_for_recovery(self, trainer: Any) -> bool:
-        """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep. What
-        never changes over the run (plan, inventory) is given to the keeper once. False: none was started."""
-        module, optimizers = self.lightning_module, self._raw_optimizers()
-        if not self._state.keeper.static:
-            if self._state.keeper.copies(module, optimizers):
-                survivors.check_host_memory(self._state.keeper.held_bytes(module, optimizers), len(self.parallel_devices))
-            static = shards.zorse_section(self._state.plan, self.inventory, None)
-            self._state.keeper.static = {"zorse": {k: v for k, v in static.items() if k != "sampler"}}
-        self._state.tensorless_dump = True
-        try:
-            common = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            self._state.tensorless_dump = False
-        del common["state_dict"]
-        common["zorse"] = {"sampler": shards.zorse_section(None, None, self._state.resume.sampler_state())["sampler"]}
-        return self._state.keeper.snapshot(trainer.global_step, common, module, optimizers)
-
-    @override
-    def on_train_start(self) -> None:
-        """Lightning has registered its SIGTERM handler by now: survivors' keeping takes SIGTERM back."""
-        super().on_train_start()
-        if self._state.sigterm is not None:
-            self._state.sigterm.take_over()
-
-    def _host_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` over the host (gloo) group: pickles never staged on a GPU."""
-        if self.world_size == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self._state.host_group)
-        return gathered
-
-    def _keep_survivor_state(self) -> None:
-        if self._recovery.enabled and self.lightning_module is not None:
-            directory = keeping_directory(self._recovery, self.lightning_module.trainer)
-            self._state.keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
-
-    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [getattr(o, "_optimizer", o) for o in self.optimizers]
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A module built on the meta device has no memory to load into: its stage reads the checkpoint's
-        weights when it reaches the device (``InitialValues.weights``)."""
-        if has_meta_tensors(self.lightning_module):  # kept lazy: only the stage's tensors are ever read
-            self._state.resume.pending_module_state = checkpoint["state_dict"]
-        else:
-            super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states", [])
-        if states and shards.NAMED_STATE_KEY in states[0]:
-            self._state.resume.pending_optimizer_states = list(states)
-        else:
-            super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Atomic across ranks: every rank writes its share, then rank 0 publishes (see engine.checkpoint.shards)."""
-        checkpoint["zorse"] = shards.zorse_section(self._state.plan, self.inventory, self._state.resume.sampler_state())
-        shards.save(checkpoint, filepath, shards.manifest_metadata(self.lightning_module, self._state.plan))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not shards.is_checkpoint_directory(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self.world_size > 1 and self._state.host_group is None:  # files and verdicts go over gloo
-            self._state.host_group = host_group(self._timeout, self.cluster_environment.main_address)
-        if self._recovery.enabled:
-            checkpoint, report, self._state.resume.remote_files = relaunch.load(
-                checkpoint_path, self._recovery, self.lightning_module, self.global_rank, self.world_size,
-                self._host_gather, self._state.host_group,
-            )
-            (rank_zero_warn if report.passed_over_survivors else rank_zero_info)(report.message)
-            self._state.recovery_report = report
-        else:
-            checkpoint = shards.load(checkpoint_path, self.global_rank, self.world_size, self._host_gather)
-        zorse = checkpoint.get("zorse") or {}
-        if zorse.get("plan"):
-            self._state.resume.checkpoint_global_batch_size = zorse["plan"]["global_batch_size"]
-        sampler = zorse.get("sampler")
-        if sampler:
-            self._state.resume.position = SamplerState(**sampler)
-        return checkpoint
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Another rank's loss or failure is named here; an error of this rank's own is told to the others."""
-        if self._state.watchdog is not None:
-            lost = self._state.watchdog.explain(exception)
-            if lost is not None:
-                self._keep_survivor_state()
-                raise lost from exception
 
     # -- teardown and registration ------------------------------------------------------------
 
