@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.engine.executor import PipelineEngine
@@ -54,6 +57,7 @@ class Case:
     interleave: int = 1
     offload_stages: tuple[int, ...] = ()
     """Groups of ranks whose blocks keep their saved tensors in host memory (activation offload)."""
+    model: Literal["gpt", "conv_channels_last"] = "gpt"
 
 
 CASES = [
@@ -169,11 +173,48 @@ CASES = [
         fractions={0: (0.4, 0.1, 0.3, 0.2)},
         offload_stages=(0,),
     ),
+    Case(
+        "two_stages_channels_last_activation",
+        [((0, 1), (2, 2), (0, 2)), ((2, 3), (3, 1), (2, 4))],
+        model="conv_channels_last",
+    ),
 ]
 
+CLASSES, CHANNELS, SIDE = 5, 4, 6
 
-def _model() -> GPT:
+
+class _ChannelsLastBlock(nn.Module):
+    """A convolution in ``channels_last``, as vision models train on GPUs: its output, which crosses the cut,
+    is not contiguous, so its gradient's bytes (sent contiguous) land in a buffer of another layout unless the
+    receiver makes it from the shape alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, CHANNELS, 3, padding=1)
+        self.blocks = nn.ModuleList(_ChannelsLastBlock() for _ in range(4))
+        self.head = nn.Linear(CHANNELS, CLASSES)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        x = self.stem(images.contiguous(memory_format=torch.channels_last))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean((2, 3))), labels)
+
+
+def _model(case: Case) -> nn.Module:
     torch.manual_seed(0)
+    if case.model == "conv_channels_last":
+        return _ConvNet()
     return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=1e-2)
 
 
@@ -185,14 +226,18 @@ def _optimizer(model: GPT, case: Case) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 
-def _batches(count: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(case: Case, count: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
+    if case.model == "conv_channels_last":
+        images = torch.randn(count, size, 3, SIDE, SIDE, generator=generator)
+        labels = torch.randint(0, CLASSES, (count, size), generator=generator)
+        return list(zip(images, labels))
     tokens = torch.randint(0, VOCAB, (count, size, SEQ + 1), generator=generator)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
 def _reference(case: Case, batches) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = _model()
+    model = _model(case)
     optimizer = _optimizer(model, case)
     losses = []
     for step in range(STEPS):
@@ -225,10 +270,10 @@ def _run_case(rank: int, case: Case) -> dict:
         interleave=case.interleave,
         offload_stages=case.offload_stages,
     )
-    batches = _batches(STEPS * case.accumulate, plan.global_batch_size)
-    model = _model()
-    if rank:
-        torch.nn.init.zeros_(model.pos_emb.weight)  # differs on purpose: broadcast_module must fix it
+    batches = _batches(case, STEPS * case.accumulate, plan.global_batch_size)
+    model = _model(case)
+    if rank:  # differs on purpose: broadcast_module must fix it
+        torch.nn.init.zeros_(model.pos_emb.weight if isinstance(model, GPT) else model.stem.weight)
     broadcast_module(model)
     groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
     engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES)
@@ -383,4 +428,4 @@ def test_optimizer_state_is_sharded_unevenly(results):
     for share, wanted in zip(shares, (0.4, 0.1, 0.3, 0.2)):
         assert abs(share - wanted) < 0.08, shares
     states = [r["data_parallel_uneven_sharded"]["optimizer_state_tensors"] for r in results]
-    assert sum(states) == len(list(_model().parameters()))
+    assert sum(states) == len(list(_model(next(c for c in CASES if c.name == "data_parallel_uneven_sharded")).parameters()))

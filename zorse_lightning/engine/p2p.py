@@ -15,7 +15,10 @@ from the shape the sender knows and read by the receiver on the host, it never
 makes either host wait for its device (a header on the GPU would: reading it is
 a device-to-host copy behind everything queued). A gradient has the shape of
 the activation it belongs to, which both sides know, so it travels without
-header.
+header. Every tensor travels as contiguous bytes and is received into a
+contiguous buffer made from shape and dtype alone: a buffer that copied an
+output's strides (``channels_last``) would read those bytes permuted, silently
+under NCCL, which accepts such a buffer for point-to-point (gloo refuses it).
 
 gloo forgives what NCCL does not (its sends never wait for the receiver). With
 ``ZORSE_P2P_RULES=nccl`` in the environment, a gloo run keeps NCCL's rules
@@ -71,7 +74,7 @@ class Transport:
                 header = _header(tensor)
                 self._pending.append((_once([dist.isend(header, message.dst, self.host_group, HEADER_TAG)]), [header]))
         receives = [
-            (m, self._recv_header(m.src) if m.kind is ActionKind.FORWARD else torch.empty_like(gradient_like(m)))
+            (m, self._recv_header(m.src) if m.kind is ActionKind.FORWARD else self._buffer_like(gradient_like(m)))
             for m in batch.receives
         ]
         wait = self._post(batch, sends, receives)
@@ -92,6 +95,11 @@ class Transport:
         fields = header.tolist()  # a host tensor: nothing waits for a device
         dtype, ndim = _DTYPES[fields[0]], fields[1]
         return torch.empty(tuple(fields[2 : 2 + ndim]), dtype=dtype, device=self.device)
+
+    def _buffer_like(self, output: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer of ``output``'s shape and dtype, whatever its strides: the sender sends the
+        gradient's contiguous bytes (:meth:`stage`)."""
+        return torch.empty(output.shape, dtype=output.dtype, device=self.device)
 
     def take(self, message: Message) -> torch.Tensor:
         """What ``message`` brought, once its batch has completed."""
