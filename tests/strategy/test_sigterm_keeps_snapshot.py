@@ -77,5 +77,72 @@ def test_torchruns_sigterm_leaves_the_survivors_newest_snapshot_on_disk(tmp_path
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"step-{KILLED_AT}"]
 
 
+_LIGHTNING_STOP = """
+import os, signal, sys, time
+from types import SimpleNamespace
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from zorse_lightning.engine.faults import SigtermKeeper
+
+events = []
+hang = sys.argv[1] == "hang"
+SigtermKeeper.GRACEFUL_STOP_S = 1.0
+keeper = SigtermKeeper(lambda: (time.sleep(0.2), events.append("kept")), "rank 0")
+keeper.install()  # at the strategy's setup, before Lightning registers its handlers
+trainer = SimpleNamespace(_accelerator_connector=SimpleNamespace(cluster_environment=LightningEnvironment()),
+                          strategy=SimpleNamespace(launcher=None), local_rank=0, world_size=1)
+connector = _SignalConnector(trainer)
+connector.register_signal_handlers()  # Lightning's own, as the Trainer installs them
+lightning_handler = signal.getsignal(signal.SIGTERM)
+
+def stop(signum, frame):
+    events.append("lightning")
+    if hang:  # a stop that never ends (its broadcast on a group a lost peer broke, under NCCL)
+        time.sleep(30)
+    lightning_handler(signum, frame)
+
+signal.signal(signal.SIGTERM, stop)
+keeper.take_over()  # at on_train_start
+os.kill(os.getpid(), signal.SIGTERM)
+deadline = time.monotonic() + 10
+while not connector.received_sigterm and time.monotonic() < deadline:  # Lightning's loop checks it per batch
+    time.sleep(0.01)
+keeper.remove()  # the strategy's teardown, on the way out of the stop
+connector.teardown()
+print(events, connector.received_sigterm)
+"""
+
+
+def _lightning_stop(mode: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", _LIGHTNING_STOP, mode], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_keeps_the_snapshot_then_lightning_stops_the_run():
+    """Lightning's SIGTERM handler (its graceful stop: received_sigterm, then SIGTERMException at the next batch)
+    runs after the snapshot is kept, not instead of it; the process then ends by that stop (status 0 here), not
+    by the keeping thread. Would catch the keeper replacing Lightning's handler (received_sigterm never set, the
+    process ended with status 143) or calling it before the snapshot is kept."""
+    stopped = _lightning_stop("chain")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.stdout.strip() == "['kept', 'lightning'] True", stopped.stdout
+    assert "rank 0 received SIGTERM (its run was stopped); it kept its newest snapshot" in stopped.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_stop_that_hangs_after_the_snapshot_is_ended():
+    """The handler chained to never returns (the main thread never reaches the teardown): the keeping thread
+    ends the process GRACEFUL_STOP_S after keeping, with SIGTERM's status."""
+    from zorse_lightning.engine.faults import SIGTERM_EXIT_STATUS
+
+    stopped = _lightning_stop("hang")
+    assert stopped.returncode == SIGTERM_EXIT_STATUS, (stopped.returncode, stopped.stderr[-3000:])
+    assert stopped.stdout == ""
+    assert "rank 0 had not stopped 1 s after keeping its snapshot on SIGTERM: ended" in stopped.stderr
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))

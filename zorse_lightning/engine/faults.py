@@ -230,25 +230,39 @@ def watch_startup(address: str, port: int, inventory: ClusterInventory | None, r
 
 
 class SigtermKeeper:
-    """On SIGTERM, keep this rank's state (``keep``: the newest completed host copy, no device access) and end.
+    """On SIGTERM, keep this rank's state (``keep``: the newest completed host copy, no device access), then let
+    the handler it took SIGTERM from act: Lightning's graceful stop (its loop raises ``SIGTERMException`` at the
+    next batch: callbacks' ``on_exception``, loggers finalized, teardown).
 
     torchrun's agent, once one worker has died, sends SIGTERM to the others within seconds, long before the
     watchdog's silence verdict. The main thread may then be stuck in a collective that a lost peer never
     joins (under NCCL, a wait on the device), where a Python signal handler would never run. So the signal
     also wakes a thread through :func:`signal.set_wakeup_fd`, whose byte the interpreter's C handler writes
-    at once; that thread keeps and ends the process (status :data:`SIGTERM_EXIT_STATUS`). The Python handler,
-    which runs only when the main thread returns to the interpreter, holds the main thread still meanwhile,
-    so it does not move the state being kept."""
+    at once; that thread keeps the state. The Python handler, which runs only when the main thread returns
+    to the interpreter, holds the main thread still until the state is kept (so it does not move the state
+    being kept, and Lightning's handler, whose broadcast fails on a group a lost peer broke, cannot end the
+    process mid-write), then calls the handler it replaced. The keeping thread ends the process (status
+    :data:`SIGTERM_EXIT_STATUS`) at once where there is no handler to chain to (SIGTERM's default action),
+    else when the stop has not reached the strategy's teardown within :attr:`GRACEFUL_STOP_S` (a main thread
+    stuck in a wait never runs it)."""
 
     MAIN_THREAD_WAIT_S = 60.0
-    """How long the main thread is held when it sees the signal (the keeping thread ends the process sooner)."""
+    """How long the main thread is held when it sees the signal, waiting for the state to be kept."""
+    GRACEFUL_STOP_S = 20.0
+    """How long the chained stop may take after the state is kept before the keeping thread ends the process
+    (below the 30 s torchrun's agent waits after its SIGTERM before it sends SIGKILL)."""
 
     def __init__(self, keep: Callable[[], None], who: str) -> None:
         self._keep, self._who = keep, who
-        self._ending = threading.Event()
+        self._kept = threading.Event()
+        self._removed = threading.Event()
+        self._handling = False
         self._read_fd: int | None = None
         self._write_fd: int | None = None
         self._previous_handler: Any = None
+        self._chained: Any = None
+        """The handler SIGTERM goes on to once the state is kept: the one found at install, or one installed
+        since and replaced by :meth:`take_over` (Lightning's)."""
         self._previous_fd = -1
 
     def install(self) -> bool:
@@ -257,34 +271,48 @@ class SigtermKeeper:
             return False
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)  # the C handler must never block
-        self._previous_handler = signal.signal(signal.SIGTERM, self._hold_main_thread)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._chained = self._previous_handler
         self._previous_fd = signal.set_wakeup_fd(self._write_fd)
         threading.Thread(target=self._watch, name="zorse-sigterm", daemon=True).start()
         return True
 
     def take_over(self) -> None:
-        """Be SIGTERM's only Python handler again, replacing one installed since (Lightning's, which runs a
-        broadcast on the default group inside the handler: on a group a lost peer broke, that fails and ends
-        the process while the keeping thread still writes)."""
-        if self._write_fd is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._hold_main_thread)
-
-    def remove(self) -> None:
-        """Give SIGTERM back as it was (a clean end of the run)."""
+        """Be SIGTERM's first Python handler again, chaining to one installed since (Lightning's, which runs
+        a broadcast on the default group inside the handler: on a group a lost peer broke, that fails and ends
+        the process, which must not happen while the keeping thread still writes)."""
         if self._write_fd is None or threading.current_thread() is not threading.main_thread():
             return
+        current = signal.getsignal(signal.SIGTERM)
+        if current != self._on_sigterm:
+            self._chained = current
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def remove(self) -> None:
+        """Give SIGTERM back as it was (a clean end of the run, or the end of the chained stop)."""
+        if self._write_fd is None or threading.current_thread() is not threading.main_thread():
+            return
+        self._removed.set()
         signal.set_wakeup_fd(self._previous_fd)
-        if signal.getsignal(signal.SIGTERM) == self._hold_main_thread:
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
         os.close(self._write_fd)  # ends the watching thread's read
         self._write_fd = None
 
-    def _hold_main_thread(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._write_fd is None:  # reinstalled after removal (Lightning restores the handlers it found): default
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        self._ending.wait(self.MAIN_THREAD_WAIT_S)
+        if self._handling:  # called again by the handler chained to: Lightning's includes the one it found, this
+            return
+        self._handling = True
+        try:
+            self._kept.wait(self.MAIN_THREAD_WAIT_S)
+            if callable(self._chained):
+                self._chained(signum, frame)
+        finally:
+            self._handling = False
 
     def _watch(self) -> None:
         while True:
@@ -297,12 +325,19 @@ class SigtermKeeper:
                 return
             if signal.SIGTERM in woken:
                 break
+        said = f"zorse: {self._who} received SIGTERM (its run was stopped); "
         try:
             self._keep()
-        finally:  # the process must end even if keeping failed: torchrun's SIGKILL would follow
-            self._ending.set()
-            _exit_with(f"zorse: {self._who} received SIGTERM (its run was stopped); it kept its newest snapshot "
-                       f"for the relaunch", SIGTERM_EXIT_STATUS)
+            said += "it kept its newest snapshot for the relaunch"
+        except Exception as error:  # the process must stop even so: torchrun's SIGKILL would follow
+            said += f"keeping its newest snapshot failed with {type(error).__name__}: {error}"
+        self._kept.set()
+        if not callable(self._chained):
+            _exit_with(said, SIGTERM_EXIT_STATUS)
+        print(f"{said}; it stops as the handler it replaced says", file=sys.stderr, flush=True)
+        if not self._removed.wait(self.GRACEFUL_STOP_S):
+            _exit_with(f"zorse: {self._who} had not stopped {self.GRACEFUL_STOP_S:g} s after keeping its snapshot "
+                       f"on SIGTERM: ended", SIGTERM_EXIT_STATUS)
 
 
 def start_watchdog(address: str, port: int, plan: Plan, inventory: ClusterInventory | None, rank: int,

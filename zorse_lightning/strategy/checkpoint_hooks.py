@@ -62,7 +62,8 @@ class CheckpointHooks(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Lightning has registered its SIGTERM handler by now: survivors' keeping takes SIGTERM back."""
+        """Lightning has registered its SIGTERM handler by now: survivors' keeping takes SIGTERM first and goes on to
+        Lightning's once the snapshot is kept."""
         super().on_train_start()
         if self._state.sigterm is not None:
             self._state.sigterm.take_over()
