@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.actions import messages_of
-from zorse_lightning.planner.p2p_batches import P2PBatch
+from zorse_lightning.planner.actions import ActionKind, messages_of
+from zorse_lightning.planner.p2p_batches import HostCollective, P2PBatch
 from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.planner.step_collectives import step_collectives
 
 
 def hand_plan(
@@ -91,3 +92,26 @@ def random_layout(
             counts[rng.randrange(len(group))] += 1
         stages.append((tuple(group), tuple(counts), (index * layers_per_stage, (index + 1) * layers_per_stage)))
     return stages, idle
+
+
+def in_backward_collectives(plan: Plan, programs, batches) -> list[tuple[HostCollective, ...]]:
+    """Where the engine issued its stage reductions before they were placed (tests show it hangs): during each
+    stage's last backward, before the batch carrying that backward's gradient is posted; the step's end as
+    :func:`zorse_lightning.planner.step_collectives.step_collectives` has it."""
+    collectives = []
+    for rank, (program, ends) in enumerate(zip(programs, step_collectives(plan, programs, batches))):
+        mine = []
+        if rank not in plan.idle_ranks and len(plan.rank_groups[plan.stage_of_rank(rank)].ranks) > 1:
+            group = plan.stage_of_rank(rank)
+            last_backward = {a.stage: i for i, a in enumerate(program) if a.kind is ActionKind.BACKWARD}
+            for stage in sorted(plan.stages_of_group(group), reverse=True):
+                what = f"stage {stage}'s gradient reduction"
+                ranks = plan.rank_groups[group].ranks
+                if stage in last_backward:
+                    point = last_backward[stage]
+                    posted = sum(1 for batch in batches[rank] if batch.before <= point)
+                    mine.append(HostCollective(ranks, what, point + 1, posted, reduces=(stage,)))
+                else:
+                    mine.append(HostCollective(ranks, what, len(program), len(batches[rank]), reduces=(stage,)))
+        collectives.append((*mine, *(c for c in ends if c.at_end)))
+    return collectives

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from testing.plans import hand_plan, per_message_batches, random_layout
+from testing.plans import hand_plan, in_backward_collectives, per_message_batches, random_layout
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import interleave
-from zorse_lightning.planner.p2p_batches import play_rendezvous
+from zorse_lightning.planner.p2p_batches import HostCollective, play_rendezvous
 from zorse_lightning.planner.schedule import build_schedule
 
 
@@ -80,3 +80,59 @@ def test_no_random_plan_deadlocks_under_nccl_rules_and_the_old_order_does():
             old_order_hangs += 1
     assert {(Schedule.ONE_F_ONE_B, True, True), (Schedule.GPIPE, False, True), (Schedule.ONE_F_ONE_B, False, False)} <= kinds
     assert old_order_hangs >= 40
+
+
+def test_a_reduction_started_inside_the_last_backward_hangs_a_replicated_stage_and_the_placed_one_does_not():
+    """Stages [0, 1] | [2, 3], shares 3+1 and 1+3. A replica of stage 1 that starts its reduction inside its
+    last backward holds its host before posting the gradient upstream; its peer waits for an activation the
+    upstream rank sends only after that gradient."""
+    plan = hand_plan([((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))])
+    schedule = build_schedule(plan)  # plays the placed collectives
+    assert [c.what for c in schedule.collectives[2]] == [
+        "the gradient reduction of stages [1]", "the step's loss over every rank", "the reduction of weights shared by ranks [0, 1, 2, 3]",
+        "the gradient norm over every rank",
+    ]
+    placed = schedule.collectives[2][0]
+    assert (placed.after_actions, placed.after_batches, placed.at_end) == (2, len(schedule.batches[2]), False)
+    with pytest.raises(PlanningError) as raised:
+        play_rendezvous(plan, schedule.programs, schedule.batches, in_backward_collectives(plan, schedule.programs, schedule.batches))
+    message = str(raised.value)
+    assert "rank 2, after 2 of its 2 actions, waits in stage 1's gradient reduction over ranks [2, 3] for rank(s) [3]" in message
+    assert "and waits to send gradient of microbatch 0 (stages 0-1) to rank 0" in message
+    assert "rank 0, after 2 of its 6 actions, waits to receive gradient of microbatch 0 (stages 0-1) from rank 2" in message
+
+
+def test_collectives_issued_in_another_order_on_two_ranks_hang():
+    """NCCL wants one order of calls on communicators used together; the play holds every call until all
+    members made it, so crossed orders are found."""
+    a = HostCollective((0, 1), "a", at_end=True)
+    b = HostCollective((0, 1, 2), "b", at_end=True)
+    two = hand_plan([((0, 1), (1, 1), (0, 2))], idle_ranks=(2,))
+    schedule = build_schedule(two)
+    with pytest.raises(PlanningError, match=r"rank 0, after 2 of its 2 actions, waits in a over ranks \[0, 1\] for rank\(s\) \[1\]"):
+        play_rendezvous(two, schedule.programs, schedule.batches, [(a, b), (b, a), (b,)])
+    play_rendezvous(two, schedule.programs, schedule.batches, [(a, b), (a, b), (b,)])
+
+
+def test_no_random_plan_with_replicated_stages_hangs_with_its_collectives_and_the_in_backward_order_does():
+    """At least 200 random pipelines with data parallelism inside a stage (uneven shares, ranks without
+    microbatches, idle ranks, interleaving): the schedule's reductions and end-of-step collectives, each played
+    as blocking its host until every member calls it, never hang; starting each stage's reduction inside its
+    last backward, as the engine did, hangs many."""
+    rng = random.Random(36)
+    played = old_hangs = 0
+    kinds = set()
+    while played < 220:
+        plan = _random_plan(rng)
+        if len(plan.stages) == 1 or all(len(group.ranks) == 1 for group in plan.rank_groups):
+            continue
+        played += 1
+        kinds.add((plan.schedule, plan.interleave > 1, bool(plan.idle_ranks), any(0 in s.microbatches_per_rank for s in plan.stages)))
+        schedule = build_schedule(plan)  # raises where the placed collectives would hang
+        build_schedule(plan, forward_only=True)
+        try:
+            play_rendezvous(plan, schedule.programs, schedule.batches, in_backward_collectives(plan, schedule.programs, schedule.batches))
+        except PlanningError:
+            old_hangs += 1
+    assert {(Schedule.ONE_F_ONE_B, True, True, True), (Schedule.GPIPE, False, False, False), (Schedule.ONE_F_ONE_B, False, True, True)} <= kinds
+    assert old_hangs >= 40

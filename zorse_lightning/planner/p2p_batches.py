@@ -64,6 +64,8 @@ class P2PBatch:
 
 def describe_message(message: Message) -> str:
     """``message`` in words: what it carries, of which microbatch, across which boundary."""
+    if message.microbatch < 0:
+        return "setup message connecting the pair"
     what = "activation" if message.kind is ActionKind.FORWARD else "gradient"
     return f"{what} of microbatch {message.microbatch} (stages {message.boundary}-{message.boundary + 1})"
 
@@ -93,63 +95,103 @@ def rank_batches(
     return tuple(batches)
 
 
-def play_rendezvous(
-    plan: Plan, programs: Sequence[Sequence[Action]], batches: Sequence[Sequence[P2PBatch]]
-) -> None:
-    """Play every rank's ``batches`` beside its program under NCCL's rules; raise where they would hang.
+@dataclass(frozen=True)
+class HostCollective:
+    """A collective a rank's host issues between its actions and batches.
 
-    A rank's stream runs its batches one at a time, in order; a batch starts once the
-    actions before it have run (its sends carry their outputs) and completes when each
-    of its messages met the peer's running batch holding the other end. An action runs
-    once the one before it ran and the batches holding its receives completed (a batch
-    that only sends keeps no action waiting). Compute takes no time: the play decides
-    what can happen, not when.
+    Played as if it blocked the host until every member of its group had called it: what NCCL does at a
+    group's first collective (making the communicator) and, in effect, at any host-device synchronisation
+    while a collective's kernel waits for its peers. A program that passes with every collective blocking
+    cannot hang where collectives block less."""
+
+    ranks: tuple[int, ...]
+    """The group's members; a rank's calls on one group meet the members' calls in the order issued."""
+    what: str
+    after_actions: int = 0
+    """Issued once the rank has run this many actions of its program..."""
+    after_batches: int = 0
+    """... and posted this many of its batches."""
+    at_end: bool = False
+    """Issued after the rank's last action and batch, once its batches have completed (the step's end)."""
+    reduces: tuple[int, ...] = ()
+    """The stages whose gradients it sums over the stage's group: where the engine starts their buckets."""
+
+
+def play_rendezvous(
+    plan: Plan,
+    programs: Sequence[Sequence[Action]],
+    batches: Sequence[Sequence[P2PBatch]],
+    collectives: Sequence[Sequence[HostCollective]] | None = None,
+) -> None:
+    """Play every rank's ``batches`` and ``collectives`` beside its program under NCCL's rules; raise where
+    they would hang.
+
+    Each rank's host walks one list of events: it posts a batch once the actions before it have run, runs
+    an action once the batches holding its receives completed, and passes a collective once every member
+    of the collective's group reached the matching call. A rank's stream runs its posted batches one at a
+    time, in order; a batch completes when each of its messages met the peer's running batch holding the
+    other end. Compute takes no time: the play decides what can happen, not when.
     """
+    count = len(programs)
+    collectives = collectives if collectives is not None else [()] * count
     gate = [_receiving_batches(plan, rank, program, batches[rank]) for rank, program in enumerate(programs)]
-    done = [0] * len(programs)
-    """Actions each rank has run."""
-    current = [0] * len(programs)
-    """Index of the batch each rank's stream runs (or waits to start)."""
-    left: list[set[Message]] = [set() for _ in programs]
+    events = [_host_events(len(programs[rank]), batches[rank], collectives[rank]) for rank in range(count)]
+    calls = [_call_keys(mine) for mine in collectives]
+    cursor = [0] * count
+    """Index of the next host event of each rank."""
+    done, posted, current = [0] * count, [0] * count, [0] * count
+    """Actions run, batches posted, and the index of the batch each rank's stream runs (or waits to start)."""
+    left: list[set[Message]] = [{*mine[0].sends, *mine[0].receives} if mine else set() for mine in batches]
     """Messages of that batch not yet met."""
-    for rank, mine in enumerate(batches):
-        if mine:
-            left[rank] = {*mine[0].sends, *mine[0].receives}
 
     def running(rank: int) -> P2PBatch | None:
-        mine = batches[rank]
-        if current[rank] < len(mine) and done[rank] >= mine[current[rank]].before:
-            return mine[current[rank]]
+        return batches[rank][current[rank]] if current[rank] < posted[rank] else None
+
+    def waiting_call(rank: int) -> tuple | None:
+        if cursor[rank] < len(events[rank]) and events[rank][cursor[rank]][0] == "call":
+            return calls[rank][events[rank][cursor[rank]][1]]
         return None
 
     progress = True
     while progress:
         progress = False
-        for rank in range(len(programs)):
+        for rank in range(count):
             batch = running(rank)
-            if batch is None:
-                continue
-            for message in list(left[rank]):
-                peer = message.dst if message.src == rank else message.src
-                if running(peer) is not None and message in left[peer]:
-                    left[rank].discard(message)
-                    left[peer].discard(message)
+            if batch is not None:
+                for message in list(left[rank]):
+                    peer = message.dst if message.src == rank else message.src
+                    if running(peer) is not None and message in left[peer]:
+                        left[rank].discard(message)
+                        left[peer].discard(message)
+                if not left[rank]:
+                    current[rank] += 1
+                    if current[rank] < len(batches[rank]):
+                        following = batches[rank][current[rank]]
+                        left[rank] = {*following.sends, *following.receives}
                     progress = True
-            if not left[rank]:
-                current[rank] += 1
-                if current[rank] < len(batches[rank]):
-                    following = batches[rank][current[rank]]
-                    left[rank] = {*following.sends, *following.receives}
+        for rank in range(count):
+            while cursor[rank] < len(events[rank]):
+                kind, index = events[rank][cursor[rank]]
+                if kind == "post":
+                    posted[rank] += 1
+                elif kind == "action" and gate[rank][index] < current[rank]:
+                    done[rank] += 1
+                elif kind == "drain" and current[rank] == len(batches[rank]):
+                    pass
+                elif kind == "call" and all(waiting_call(member) == calls[rank][index] for member in calls[rank][index][0]):
+                    for member in calls[rank][index][0]:
+                        if member != rank:
+                            cursor[member] += 1
+                else:
+                    break
+                cursor[rank] += 1
                 progress = True
-        for rank, program in enumerate(programs):
-            while done[rank] < len(program) and gate[rank][done[rank]] < current[rank]:
-                done[rank] += 1
-                progress = True
-    stuck = [rank for rank, program in enumerate(programs) if done[rank] < len(program) or current[rank] < len(batches[rank])]
+    stuck = [rank for rank in range(count) if cursor[rank] < len(events[rank]) or current[rank] < len(batches[rank])]
     if stuck:
         raise PlanningError(
             "the schedule deadlocks under NCCL's rules (a send completes only with its matching receive; a rank's "
-            f"batches run in order): {_stuck_description(batches, programs, done, current, left, stuck)}"
+            "batches run in order; a collective waits for every member of its group): "
+            + "; ".join(_stuck_rank(rank, programs, batches, collectives, events, cursor, done, current, left, calls) for rank in stuck)
         )
 
 
@@ -166,17 +208,67 @@ def _receiving_batches(plan: Plan, rank: int, program: Sequence[Action], batches
     return gates
 
 
-def _stuck_description(batches, programs, done, current, left, stuck) -> str:
-    """Each stuck rank's running batch: the messages in it that met no peer."""
-    lines = []
-    for rank in stuck:
-        mine = batches[rank]
-        batch = mine[current[rank]]  # a rank whose batches all completed runs to its program's end
+def _host_events(actions: int, batches: Sequence[P2PBatch], collectives: Sequence[HostCollective]) -> list[tuple[str, int]]:
+    """A rank's host in order: each batch posted once the actions before it ran, each action, each collective
+    where its counts are reached, then (the step's end) its batches drained and the collectives issued there."""
+    events: list[tuple[str, int]] = []
+    ran = sent = 0
+    pending = [(c.after_actions, c.after_batches, i) for i, c in enumerate(collectives) if not c.at_end]
+
+    def calls_due() -> None:
+        while pending and pending[0][0] <= ran and pending[0][1] <= sent:
+            events.append(("call", pending.pop(0)[2]))
+
+    for action in range(actions + 1):
+        for index in range(sent, len(batches)):
+            if batches[index].before > action:
+                break
+            calls_due()
+            events.append(("post", index))
+            sent += 1
+        calls_due()
+        if action < actions:
+            events.append(("action", action))
+            ran += 1
+    while sent < len(batches):  # batches due after the last action (a rank that only receives at its end)
+        calls_due()
+        events.append(("post", sent))
+        sent += 1
+    calls_due()
+    if pending:
+        raise PlanningError(f"a collective after {pending[0][0]} actions and {pending[0][1]} batches lies past the rank's program")
+    events.append(("drain", 0))
+    events += [("call", i) for i, c in enumerate(collectives) if c.at_end]
+    return events
+
+
+def _call_keys(collectives: Sequence[HostCollective]) -> list[tuple[tuple[int, ...], int]]:
+    """Each call as (group, how many calls on that group came before it): what the members' calls must match."""
+    seen: dict[tuple[int, ...], int] = {}
+    keys = []
+    for collective in collectives:
+        keys.append((collective.ranks, seen.get(collective.ranks, 0)))
+        seen[collective.ranks] = seen.get(collective.ranks, 0) + 1
+    return keys
+
+
+def _stuck_rank(rank, programs, batches, collectives, events, cursor, done, current, left, calls) -> str:
+    """What one stuck rank waits for: its host at a collective or an action, or its stream at a batch."""
+    where = f"rank {rank}, after {done[rank]} of its {len(programs[rank])} actions"
+    waits = []
+    if cursor[rank] < len(events[rank]) and events[rank][cursor[rank]][0] == "call":
+        index = events[rank][cursor[rank]][1]
+        collective = collectives[rank][index]
+        absent = [m for m in collective.ranks if m != rank and not (
+            cursor[m] < len(events[m]) and events[m][cursor[m]][0] == "call" and calls[m][events[m][cursor[m]][1]] == calls[rank][index]
+        )]
+        waits.append(f"waits in {collective.what} over ranks {list(collective.ranks)} for rank(s) {absent} to call it")
+    if current[rank] < len(batches[rank]):
+        batch = batches[rank][current[rank]]
         unmet = [m for m in (*batch.sends, *batch.receives) if m in left[rank]]
-        waits = ", ".join(
+        waits.append("waits to " + ", ".join(
             f"{'send' if m.src == rank else 'receive'} {describe_message(m)} "
             f"{'to' if m.src == rank else 'from'} rank {m.dst if m.src == rank else m.src}"
             for m in unmet
-        )
-        lines.append(f"rank {rank}, after {done[rank]} of its {len(programs[rank])} actions, waits to {waits}")
-    return "; ".join(lines)
+        ) if unmet else "waits for its host to post its next batch")
+    return f"{where}, {' and '.join(waits) or 'waits for a batch holding its next receive'}"

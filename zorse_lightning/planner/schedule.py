@@ -22,8 +22,9 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
 from zorse_lightning.planner.cost.memory import one_f_one_b_warmup
-from zorse_lightning.planner.p2p_batches import P2PBatch, play_rendezvous, rank_batches
+from zorse_lightning.planner.p2p_batches import HostCollective, P2PBatch, play_rendezvous, rank_batches
 from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.step_collectives import step_collectives
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class PipelineSchedule:
     """``grid[rank][step]``: the action a rank runs at each unit time step (None: idle)."""
     batches: tuple[tuple[P2PBatch, ...], ...]
     """``batches[rank]``: what the rank posts to its peers, in order (:mod:`.p2p_batches`)."""
+    collectives: tuple[tuple[HostCollective, ...], ...] = ()
+    """``collectives[rank]``: where the rank issues its collectives of the step (:mod:`.step_collectives`)."""
 
     def for_rank(self, rank: int) -> tuple[Action, ...]:
         return self.programs[rank]
@@ -357,8 +360,10 @@ def played_programs(
 
 def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
     """The validated schedule of ``plan`` (forward-only for evaluation and prediction): covered, deadlock-free
-    with unbounded buffers (the unit-step play) and under NCCL's rules (its batches' rendezvous play)."""
+    with unbounded buffers (the unit-step play) and under NCCL's rules (its batches' and collectives'
+    rendezvous play)."""
     programs, grid = played_programs(plan, forward_only)
     batches = rank_batches(plan, programs, grid)
-    play_rendezvous(plan, programs, batches)
-    return PipelineSchedule(plan.schedule, programs, grid, batches)
+    collectives = step_collectives(plan, programs, batches, forward_only)
+    play_rendezvous(plan, programs, batches, collectives)
+    return PipelineSchedule(plan.schedule, programs, grid, batches, collectives)
