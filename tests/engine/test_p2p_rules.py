@@ -1,8 +1,10 @@
 """``ZORSE_P2P_RULES=nccl`` on real gloo ranks: the schedule's batches pass with every message intact, and the
-two orders that hang a GPU cluster fail with an error that names the ranks and the messages: the engine's old
-per-message posting of a two-stage 1F1B, and the start-up probe's old ring (send to the next, then receive from
-the previous) on three ranks. One spawn of three processes; the failing cases run last, each in a world of its
-own (what a failed batch leaves posted must not meet the next case's messages)."""
+orders that hang a GPU cluster fail with an error that names the ranks and what each waits for: the engine's old
+per-message posting of a two-stage 1F1B, the start-up probe's old ring (send to the next, then receive from the
+previous) on three ranks, whose first sends each wait inside the connection of their direction, and a group's
+first collective issued while a peer waits for this rank's message. One spawn of three processes; the failing
+cases run last, each in a world of its own (what a failed batch leaves posted must not meet the next case's
+messages)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from testing.launch import free_ports, join_world, spawn_ranks
 from testing.plans import hand_plan, per_message_batches
 
 from zorse_lightning.engine.p2p import Transport, post_batches
-from zorse_lightning.engine.p2p_rules import P2PRulesError
+from zorse_lightning.engine.p2p_rules import LazyCommunicators, P2PRulesError
 from zorse_lightning.planner.actions import ActionKind, Message, messages_of
 from zorse_lightning.planner.p2p_batches import P2PBatch
 from zorse_lightning.planner.schedule import build_schedule
@@ -65,6 +67,28 @@ def _ring(rank: int, world: int, batched: bool) -> None:
     transport.finish()
 
 
+def _collective_before_a_send(rank: int) -> str:
+    """Rank 0 makes group [0, 1]'s communicator (its first collective) before it sends rank 1 the message
+    rank 1 waits for: under NCCL both hosts block."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    message = Message(0, 1, ActionKind.BACKWARD, 0, 0)  # a gradient: no header, the receive posts at once
+    transport = Transport(torch.device("cpu"))
+    if rank == 0:
+
+        def run() -> None:
+            LazyCommunicators().call(group, "stage 0's gradient reduction")
+            transport.stage(message, torch.zeros(4))
+            post_batches(transport, [P2PBatch(0, (message,), ())], 0, lambda m: None)
+
+        return _failure(run)
+    if rank == 1:
+        batches = [P2PBatch(0, (), (message,))]
+        return _failure(lambda: (post_batches(transport, batches, 0, lambda m: torch.zeros(4)), transport.take(message)))
+    return ""
+
+
 def _failure(run) -> str:
     try:
         run()
@@ -94,12 +118,15 @@ def _worker(rank: int, out_dir: Path, ports: list[int]) -> dict:
     join_world(3, ports[1])
     dist.init_process_group("gloo")
     result["old_ring"] = _failure(lambda: _ring(rank, 3, batched=False))
+    join_world(3, ports[2])
+    dist.init_process_group("gloo")
+    result["collective_first"] = _collective_before_a_send(rank)
     return result
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    return spawn_ranks(_worker, 3, tmp_path_factory.mktemp("p2p_rules"), free_ports(2))
+    return spawn_ranks(_worker, 3, tmp_path_factory.mktemp("p2p_rules"), free_ports(3))
 
 
 def test_the_schedules_batches_pass_with_every_message_intact(results):
@@ -121,5 +148,23 @@ def test_the_old_1f1b_order_fails_naming_ranks_and_messages(results):
 
 
 def test_the_old_probe_ring_fails_on_three_ranks(results):
+    """Each rank's first batch sends to the next rank alone; NCCL connects that direction on both hosts, and
+    the next rank posts its receive only after its own send's connection: a cycle of blocked hosts."""
     for rank, result in enumerate(results):
-        assert f"its send of the activation of microbatch 0 (stages {rank}-{rank + 1}) to rank {(rank + 1) % 3}" in result["old_ring"]
+        following = (rank + 1) % 3
+        assert (
+            f"under NCCL's lazy rules this run would hang: rank {rank} [send activation of microbatch 0 (stages "
+            f"{rank}-{rank + 1}) to rank {following}] is the first batch from rank {rank} to rank {following}, whose "
+            f"connection is made inside ncclGroupEnd on both hosts; after 4 s rank {following} had not posted its batch "
+            f"holding the activation of microbatch 0 (stages {rank}-{rank + 1})"
+        ) in result["old_ring"]
+
+
+def test_a_first_collective_before_a_send_the_peer_waits_for_fails_naming_the_group_and_the_wait(results):
+    rank0, rank1 = results[0]["collective_first"], results[1]["collective_first"]
+    assert (
+        "under NCCL's lazy rules this run would hang: rank 0's first collective on group" in rank0
+        and "(ranks [0, 1]), stage 0's gradient reduction, makes the group's communicator, which blocks the host of "
+        "every member until all have called it; after 4 s rank(s) [1] had not" in rank0
+    )
+    assert "is the first batch from rank 0 to rank 1" in rank1 and "rank 0 had not posted its batch holding the gradient" in rank1

@@ -159,23 +159,6 @@ class StageCut:
         """Whether block ``index`` ends the running action's stage (before the model's end)."""
         return self.active < self.last_stage and index == self.layers_of(self.active)[1] - 1
 
-    def stages_of_parameters(self) -> dict[int, int]:
-        """For each parameter (by ``id``) that one of this rank's stages alone uses, that stage: blocks by
-        their chunk, the embedding on the first stage, the norm and head on the last (a tied weight used by
-        both is left out)."""
-        used: dict[int, set[int]] = {}
-        for index, block in enumerate(self.blocks.blocks):
-            stage = self.chunk_of_block(index)
-            if stage is not None:
-                for param in block.parameters():
-                    used.setdefault(id(param), set()).add(stage)
-        for names, stage in ((self.analysis.pre_modules, 0), (self.analysis.post_modules, self.last_stage)):
-            if stage in self.chunks:
-                for name in names:
-                    for param in self.root.get_submodule(name).parameters():
-                        used.setdefault(id(param), set()).add(stage)
-        return {key: stages.pop() for key, stages in used.items() if len(stages) == 1}
-
     # -- placement ----------------------------------------------------------------------
 
     def is_local(self, param: nn.Parameter) -> bool:

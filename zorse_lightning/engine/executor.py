@@ -27,6 +27,7 @@ from zorse_lightning.engine import gradients
 from zorse_lightning.module.blocks import BlockList, CutError, StageOutput, find_block_list
 from zorse_lightning.engine.activation_offload import ActivationOffload
 from zorse_lightning.engine.cutting import StageCut, kept_activations_forward, release_module
+from zorse_lightning.engine.communicators import make_communicators
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport, post_batches
@@ -89,9 +90,6 @@ class PipelineEngine:
         self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
-        self._stage_of_parameter: dict[int, int] = {}
-        """The one stage of this rank whose backward gives a local parameter its gradient (by ``id``, set at
-        :meth:`prepare`; interleaved ranks have several stages)."""
         self._replaced: dict[int, nn.Parameter] = {}
         """Parameters given a new tensor on the device at :meth:`prepare` (old id -> new): optimizers made
         before it still name the old ones."""
@@ -132,9 +130,7 @@ class PipelineEngine:
                 block.forward = kept_activations_forward(self.offload, index, block, block.forward, self.groups.stage.recompute)
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
-            # Under NCCL the first use of a group makes its communicator and must include every rank;
-            # after it, batches between any two ranks run on it.
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.groups.pipeline_group)
+        make_communicators(self.groups, self.transport, self.schedule, self.device, self.gradient_bucket_bytes // 4)
         if self.groups.is_idle:
             release_module(self.module)
         elif self.is_pipelined:
@@ -153,8 +149,6 @@ class PipelineEngine:
             self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set())
             if self.sharded:
                 self.sharded.placed(self.local_parameters())
-        if self.cut is not None:
-            self._stage_of_parameter = self.cut.stages_of_parameters()
         _, shared = self._own_and_shared()
         stage_wide = self.sharded is None or not self.sharded.reduces_own_gradients
         everyone = self._local_with_holders() if stage_wide else [(p, self._holders[id(p)]) for p in shared]
@@ -277,11 +271,11 @@ class PipelineEngine:
         loss_sum = torch.zeros((), device=self.device)
         program = self._program(train)
         gathered = self.sharded is not None and self.sharded.before_run(self.local_parameters())
-        arm_at = self._arm_points(program) if reduce_in_backward else {}
-        if reduce_in_backward:
-            self.reduction.prepare_step()
         schedule = self.schedule if train else self.forward_schedule
         to_post = schedule.batches[self.groups.rank] if self.is_pipelined else ()
+        arm_at, reduce_at = self._reduction_points(schedule, program) if reduce_in_backward else ({}, set())
+        if reduce_in_backward:
+            self.reduction.prepare_step()
 
         def gradient_like(message: Message) -> torch.Tensor:
             return saved[(message.boundary, message.microbatch)][1]
@@ -293,6 +287,8 @@ class PipelineEngine:
                 self._empty_round(action.kind)
                 continue
             to_post = post_batches(self.transport, to_post, ran, gradient_like)
+            if ran in reduce_at:
+                self.reduction.start_all()
             ran += 1
             if action.kind is ActionKind.FORWARD:
                 micro = microbatch_slice(batch, j - share.start, self.plan.microbatch_size)
@@ -308,17 +304,19 @@ class PipelineEngine:
                     saved[(action.stage, j)] = (received, output)
             else:
                 if i in arm_at:
-                    self.reduction.arm(arm_at[i], more=i != min(arm_at))
+                    self.reduction.arm()
                 self._backward(action, *saved[(action.stage, j)])
                 del saved[(action.stage, j)]
         post_batches(self.transport, to_post, ran, gradient_like)
+        if ran in reduce_at:
+            self.reduction.start_all()
         self.transport.finish()
         if gathered and not train:
             self.sharded.release(self.local_parameters())
         if self.sharded is not None:
             self.sharded.settle(self.local_parameters())
         if self.plan.world_size > 1:
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(loss_sum, group=self.groups.call(None, "the step's loss"))
         return loss_sum
 
     def _program(self, train: bool) -> list:
@@ -332,18 +330,19 @@ class PipelineEngine:
         busiest = stage.ranks[max(range(len(stage.ranks)), key=lambda i: stage.microbatches_per_rank[i])]
         return padded_program(program, schedule.for_rank(busiest))
 
-    def _arm_points(self, program: list) -> dict[int, list[nn.Parameter]]:
-        """Where in ``program`` weights get their last gradient of the run: each of the rank's stages' weights
-        at that stage's last backward (interleaved ranks have several), all others at the program's last."""
-        last_backward = {a.stage: i for i, a in enumerate(program) if a.kind is ActionKind.BACKWARD}
-        if not last_backward:
-            return {}
-        final = max(last_backward.values())
-        points: dict[int, list[nn.Parameter]] = {i: [] for i in last_backward.values()}
-        for param in self.local_parameters():
-            stage = self._stage_of_parameter.get(id(param))
-            points[last_backward[stage] if stage in last_backward else final].append(param)
-        return points
+    def _reduction_points(self, schedule, program: list) -> tuple[set[int], set[int]]:
+        """Where this run's reduction over the stage's group starts: (indices of ``program`` before whose
+        backward the hooks start each bucket as it becomes final, counts of actions after which, its batches
+        posted, every bucket starts). A pipelined rank starts where the schedule says
+        (:mod:`..planner.step_collectives`: never while a peer may wait for a batch it has not posted); a
+        plan without messages has none to hold, so its hooks start during the last backward, as DDP's do."""
+        if self.groups.is_idle:
+            return set(), set()
+        if self.is_pipelined:
+            rank = self.groups.rank
+            return set(), {c.after_actions for c in schedule.collectives[rank] if c.reduces and not c.at_end}
+        backwards = [i for i, a in enumerate(program) if a.kind is ActionKind.BACKWARD]
+        return ({backwards[-1]} if backwards else set()), set()
 
     def _empty_round(self, kind: ActionKind) -> None:
         if kind is ActionKind.FORWARD:

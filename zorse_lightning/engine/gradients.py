@@ -6,14 +6,17 @@ gradients over all ranks that hold a weight gives the global-batch mean. The
 sum runs over the group of the stages that hold the weight: a stage's own
 group for its blocks, first and last stage for a tied embedding.
 
-The sum over a stage's own group can start before the backward ends
-(:class:`OverlappedReduction`), as DDP's does: during the rank's last backward
-of the step, each bucket of gradients is all-reduced asynchronously as soon as
-every gradient in it is final, so the reduction of the last layers runs while
-the first ones still compute. As DDP's ``gradient_as_bucket_view``, the
-gradients are views into one persistent flat buffer per dtype, so a bucket is
-reduced in place: no concatenation, no copy back. A stage of one rank has
-nothing to sum its own weights over: no buffer, no hook, no collective.
+The sum over a stage's own group can overlap the step, as DDP's does. As DDP's
+``gradient_as_bucket_view``, the gradients are views into one persistent flat
+buffer per dtype, cut into buckets, so a bucket is reduced in place: no
+concatenation, no copy back. A stage of one rank has nothing to sum its own
+weights over: no buffer, no hook, no collective. Where the reductions start is
+the schedule's (:mod:`..planner.step_collectives`): in a pipeline, once the rank
+has posted the batch carrying its last gradient (started earlier, a reduction
+can hold the host of a replica whose peer waits for that gradient's effects
+upstream), overlapping the pipeline's drain; in a plan without stages to pass
+between, during the last backward, each bucket as soon as every gradient in it
+is final.
 """
 
 from __future__ import annotations
@@ -120,20 +123,19 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device
 
 class OverlappedReduction:
     """Sums each local parameter's gradient over the ranks of the stages holding it, in place; the
-    stage-group part may start during the last backward.
+    stage-group part may start before :meth:`finish`.
 
     Gradients only the rank's own stage holds are views into a flat buffer cut into buckets of about
     :data:`BUCKET_BYTES`, last parameters first (the order backward produces them); a stage of one rank
     has none. :meth:`prepare_step` makes the gradients those views before a run whose gradients are the
-    step's final ones, so autograd accumulates straight into the buffer. :meth:`arm` is called before
-    the rank's last backward of the step (interleaved: before each chunk's last backward, for that chunk's
-    weights): from then on a hook marks each parameter whose gradient has accumulated, and each bucket
-    whose gradients are all final is all-reduced asynchronously, in bucket order only (every rank of the
-    stage issues the same collectives in the same order, whatever order its hooks fire in).
-    :meth:`finish` starts the buckets not started yet (a parameter that got no gradient in the last
-    backward, a rank with no microbatch), waits for all of them, then reduces the weights shared with
-    other stages (one all-reduce per set of stages, in one order on every rank). Without :meth:`arm`,
-    :meth:`finish` alone is the plain reduction after backward.
+    step's final ones, so autograd accumulates straight into the buffer. :meth:`start_all` starts every
+    bucket's all-reduce asynchronously (a pipelined rank, at the schedule's point). :meth:`arm`, called
+    before the last backward of a plan without pipeline messages, has a hook mark each parameter whose
+    gradient has accumulated and start each bucket whose gradients are all final. Either way buckets start
+    in bucket order only (every rank of the stage issues the same collectives in the same order, whatever
+    order its hooks fire in). :meth:`finish` starts the buckets not started yet, waits for all of them,
+    then reduces the weights shared with other stages (one all-reduce per set of stages, in one order on
+    every rank). Without either, :meth:`finish` alone is the plain reduction after backward.
     """
 
     def __init__(
@@ -166,23 +168,27 @@ class OverlappedReduction:
         for bucket in self.buckets:
             bucket.adopt_gradients()
 
-    def arm(self, params: list[nn.Parameter] | None = None, more: bool = False) -> None:
-        """From now on, the next accumulated gradient of each of ``params`` (None: all) is its final one for
-        this step. ``more``: add to those armed earlier in this run (an interleaved rank arms each chunk's
-        weights before that chunk's last backward, which comes before the rank's last one)."""
+    def arm(self) -> None:
+        """From now on, the next accumulated gradient of each parameter is its final one for this step: start
+        each bucket as soon as all of its are."""
         if not self.buckets:
             return
-        if not more:
-            self._disarm()
-            for work in self._in_flight:  # a step that never reached finish(): its sums are dropped
-                work.wait()
-            self._in_flight = []
-            self._waiting = [len(bucket.params) for bucket in self.buckets]
-        chosen = [p for b in self.buckets for p in b.params] if params is None else [
-            p for p in params if id(p) in self._bucket_of
-        ]
-        self._handles += [p.register_post_accumulate_grad_hook(self._accumulated) for p in chosen]
-        self._start_ready()
+        self._forget_unfinished()
+        self._waiting = [len(bucket.params) for bucket in self.buckets]
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+
+    def start_all(self) -> None:
+        """Start every bucket's all-reduce now: the run's gradients are all final."""
+        self._forget_unfinished()
+        while self.started < len(self.buckets):
+            self._start(self.started)
+
+    def _forget_unfinished(self) -> None:
+        """A step that never reached :meth:`finish` (it failed): its sums are dropped."""
+        self._disarm()
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight = []
 
     def _accumulated(self, param: nn.Parameter) -> None:
         self._waiting[self._bucket_of[id(param)]] -= 1
@@ -195,7 +201,8 @@ class OverlappedReduction:
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.adopt_gradients()
-        self._in_flight.append(dist.all_reduce(bucket.flat, group=self.groups.stage_group, async_op=True))
+        group = self.groups.call(self.groups.stage_group, "the stage's gradient reduction")
+        self._in_flight.append(dist.all_reduce(bucket.flat, group=group, async_op=True))
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -212,7 +219,7 @@ class OverlappedReduction:
         self._in_flight = []
         for holders, params in self.shared:
             flat = _flat_gradients(params)
-            dist.all_reduce(flat, group=self.groups.group_for_stages(holders))
+            dist.all_reduce(flat, group=self.groups.call(self.groups.group_for_stages(holders), "the shared weights' reduction"))
             _unflatten_into_gradients(flat, params)
 
 
@@ -248,7 +255,7 @@ def clip_global_norm_(
     ]
     square = torch.stack(squares).sum().to(device) if squares else torch.zeros((), device=device)
     if groups.plan.world_size > 1:
-        dist.all_reduce(square)
+        dist.all_reduce(square, group=groups.call(None, "the gradient norm"))
     total = square.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in _by_dtype([p.grad.detach() for p, _ in params if p.grad is not None]):

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zorse_lightning.engine.p2p_rules import LazyCommunicators
 from zorse_lightning.planner.plan import Plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -70,6 +71,17 @@ class StageGroups:
     between), as Megatron-LM keeps a pipeline group: under NCCL batched messages run on the group's own
     communicator and stream, made once for all pairs at setup, and apart from the default group's
     collectives (the loss, the gradient norm), which would otherwise queue behind them on one stream."""
+    in_order: tuple[tuple[tuple[int, ...], dist.ProcessGroup | None], ...] = ()
+    """Every group of the plan (members, group), the default one first, then in the one order every rank made
+    them (the group is None where this rank is not a member): the order :mod:`.communicators` makes their
+    communicators in."""
+    lazy: LazyCommunicators | None = None
+    """NCCL's lazy communicators kept on gloo in the rules mode (None: not modelled)."""
+
+    def call(self, group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup | None:
+        """``group``, for the collective ``what`` this rank is about to issue on it: in the rules mode, a group's
+        first collective waits for every member, as making its NCCL communicator does."""
+        return self.lazy.call(group, what) if self.lazy is not None else group
 
     @property
     def is_idle(self) -> bool:
@@ -116,13 +128,18 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
             f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
             f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
         )
-    stage_groups = [dist.new_group(list(stage.ranks), timeout=timeout) for stage in plan.rank_groups]
-    shared = {}
-    for stages in shared_stage_sets(plan):
-        ranks = sorted(r for s in stages for r in plan.stages[s].ranks)
-        shared[stages] = dist.new_group(ranks, timeout=timeout)
-    pipeline = dist.new_group(timeout=timeout) if len(plan.stages) > 1 else None
+    in_order = [(tuple(range(plan.world_size)), dist.group.WORLD)]
+
+    def made(ranks) -> dist.ProcessGroup | None:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        in_order.append((tuple(ranks), group if rank in ranks else None))
+        return group
+
+    stage_groups = [made(stage.ranks) for stage in plan.rank_groups]
+    shared = {stages: made(sorted(r for s in stages for r in plan.stages[s].ranks)) for stages in shared_stage_sets(plan)}
+    pipeline = made(range(plan.world_size)) if len(plan.stages) > 1 else None
+    lazy = LazyCommunicators()
     if rank in plan.idle_ranks:
-        return StageGroups(plan, rank, None, None, {}, pipeline)
+        return StageGroups(plan, rank, None, None, {}, pipeline, tuple(in_order), lazy)
     stage_index = plan.stage_of_rank(rank)
-    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared, pipeline)
+    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared, pipeline, tuple(in_order), lazy)

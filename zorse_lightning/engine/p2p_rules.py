@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules kept on gloo, so that a CPU run fails where a GPU cluster would hang.
+"""NCCL's rules kept on gloo, so that a CPU run fails where a GPU cluster would hang.
 
 On gloo a send returns at once, whatever the receiver does. On NCCL a rank's
 batches run one at a time on its stream, and a send completes only together
@@ -7,10 +7,19 @@ run keep those rules: a worker thread per rank plays the stream (it takes the
 rank's batches in posting order, one at a time), and each receive it posts is
 announced to the sender by a small acknowledgement on a tag of its own; a batch
 completes when its receives have arrived and every one of its sends has been
-acknowledged. A batch that waits longer than ``ZORSE_P2P_RULES_TIMEOUT_S``
-(default 60 s) raises :class:`P2PRulesError`, naming the rank, the batch and
-the messages no peer met. On NCCL the rules are the real ones, and nothing is
-emulated.
+acknowledged.
+
+NCCL is also lazy, and its laziness blocks hosts, which gloo's never does. A
+group's communicator is made at its first collective (Lightning initialises the
+default group without ``device_id``), and making it blocks the host of each
+member until every member has called it; a direction's first batched message
+connects the pair inside ``ncclGroupEnd``, on the host of both ends. The rules
+mode keeps both (:class:`LazyCommunicators`, and :meth:`RendezvousStream.post`):
+the host meets its peers through the store, the way NCCL's unique id travels.
+
+Whatever waits longer than ``ZORSE_P2P_RULES_TIMEOUT_S`` (default 60 s) raises
+:class:`P2PRulesError`, naming the rank, what it waits in and the peers that
+never met it. On NCCL the rules are the real ones, and nothing is emulated.
 """
 
 from __future__ import annotations
@@ -74,14 +83,62 @@ class _Posted:
     error: BaseException | None = None
 
 
+def _meet(key: str, members: Sequence[int], timeout_s: float, describe: Callable[[list[int]], str]) -> None:
+    """Block this host until every one of ``members`` has reached ``key`` (a rendezvous through the default
+    group's store, which outlives groups: a key once met stays met); raise ``describe(absent ranks)`` after
+    ``timeout_s``."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", "1")
+    keys = [f"{key}/{member}" for member in members]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as error:  # DistStoreError: a timeout
+        absent = [member for member, one in zip(members, keys) if not store.check([one])]
+        raise P2PRulesError(describe(absent)) from error
+
+
+class LazyCommunicators:
+    """NCCL's lazy communicators kept on gloo: a group's first collective blocks each member's host until
+    every member has called it. Inert unless the rules mode is on."""
+
+    def __init__(self) -> None:
+        self.enabled = rules_from_environment()
+        self.timeout_s = _timeout_s() if self.enabled else 0.0
+        self._made: set[str] = set()
+        """Groups this rank met its peers in (the store remembers for every rank; this only saves asking)."""
+
+    def call(self, group: Any, what: str) -> Any:
+        """``group`` (None: the default one), for the collective ``what`` this rank is about to issue on it."""
+        if not self.enabled:
+            return group
+        name = dist.distributed_c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
+        if name not in self._made:
+            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            rank = dist.get_rank()
+            _meet(
+                f"zorse/communicator/{name}", members, self.timeout_s,
+                lambda absent: (
+                    f"under NCCL's lazy rules this run would hang: rank {rank}'s first collective on group {name} "
+                    f"(ranks {members}), {what}, makes the group's communicator, which blocks the host of every member "
+                    f"until all have called it; after {self.timeout_s:g} s rank(s) {absent} had not. Make every "
+                    f"communicator at setup, in one order on every rank (engine.communicators)"
+                ),
+            )
+            self._made.add(name)
+        return group
+
+
 class RendezvousStream:
-    """One rank's stream under NCCL's rules: batches run one at a time, in posting order, on a worker thread."""
+    """One rank's stream under NCCL's rules: batches run one at a time, in posting order, on a worker thread;
+    a direction's first batch blocks the host until the peer posts the other end."""
 
     def __init__(self, group: Any = None) -> None:
         """``group``: the group of the messages (None: the default one)."""
         self.group = group
         self.rank = dist.get_rank()
         self.timeout_s = _timeout_s()
+        self._name = dist.distributed_c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
+        self._connected: set[tuple[int, int]] = set()
         self._queue: queue.Queue[_Posted] = queue.Queue()
         self._failed: BaseException | None = None
         threading.Thread(target=self._run, name=f"zorse-p2p-rules-{self.rank}", daemon=True).start()
@@ -89,7 +146,10 @@ class RendezvousStream:
     def post(
         self, batch: P2PBatch, sends: Sequence[tuple[Message, torch.Tensor]], receives: Sequence[tuple[Message, torch.Tensor]]
     ) -> Callable[[], None]:
-        """Queue ``batch`` behind those posted before; returns a wait that raises the batch's error, if any."""
+        """Queue ``batch`` behind those posted before, once each direction it opens is connected; returns a
+        wait that raises the batch's error, if any."""
+        for message in sorted({*batch.sends, *batch.receives}, key=lambda m: (m.src, m.dst)):
+            self._connect(message, batch)
         posted = _Posted(batch, sends, receives)
         self._queue.put(posted)
 
@@ -99,6 +159,23 @@ class RendezvousStream:
                 raise posted.error
 
         return wait
+
+    def _connect(self, message: Message, batch: P2PBatch) -> None:
+        """The first batch holding a direction connects its two ranks inside ``ncclGroupEnd``, on both hosts."""
+        direction = (message.src, message.dst)
+        if direction in self._connected:
+            return
+        peer = message.dst if message.src == self.rank else message.src
+        _meet(
+            f"zorse/connection/{self._name}/{message.src}-{message.dst}", direction, self.timeout_s,
+            lambda absent: (
+                f"under NCCL's lazy rules this run would hang: {batch.describe(self.rank)} is the first batch from "
+                f"rank {message.src} to rank {message.dst}, whose connection is made inside ncclGroupEnd on both hosts; "
+                f"after {self.timeout_s:g} s rank {peer} had not posted its batch holding the {describe_message(message)}. "
+                f"Connect every direction at setup, pair by pair in one order (engine.communicators)"
+            ),
+        )
+        self._connected.add(direction)
 
     def _run(self) -> None:
         while True:

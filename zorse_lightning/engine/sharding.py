@@ -197,7 +197,7 @@ class StageShards:
         """
         for owner, owned in self._by_owner(params):
             flat = torch.cat([self._gradient_or_zeros(p).reshape(-1) for p in owned])
-            dist.reduce(flat, dst=owner, group=self.groups.stage_group)
+            dist.reduce(flat, dst=owner, group=self.groups.call(self.groups.stage_group, "the sharded gradients' reduction"))
             offset = 0
             for param in owned:
                 numel = true_numel(param)
@@ -223,7 +223,7 @@ class StageShards:
                 flat = torch.cat([p.detach().reshape(-1) for p in owned])
             else:
                 flat = torch.empty(sum(true_numel(p) for p in owned), dtype=owned[0].dtype, device=self.device)
-            work = dist.broadcast(flat, src=owner, group=self.groups.stage_group, async_op=True)
+            work = dist.broadcast(flat, src=owner, group=self.groups.call(self.groups.stage_group, "the shards' broadcast"), async_op=True)
             started.append(Broadcast(owner, owned, flat, work))
         return started
 
@@ -270,7 +270,7 @@ class StageShards:
                 else:
                     param.grad = None
                 offset += param.numel()
-        dist.all_reduce(flat, group=self.groups.stage_group)
+        dist.all_reduce(flat, group=self.groups.call(self.groups.stage_group, "the stage's gradient reduction"))
         offset = 0
         for rank, params in self.owned_by.items():
             for param in params:
