@@ -49,6 +49,8 @@ LOST_EXIT_STATUS = 75
 SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
 """A shell's status for a process ended by SIGTERM: what torchrun's agent expects of the workers it stops."""
 _COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "broken pipe", "timed out", "timeout", "socket", "peer")
+_FIRST_POLL_S = 0.001
+"""A meeting's first poll of the store (:meth:`Watchdog.meet`): ranks that arrive together part at once."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,32 @@ class Watchdog:
         """This rank's step failed: let every rank know why (first report wins)."""
         self._post(f"{self.describe(self.rank)} failed with {type(error).__name__}: {error}")
 
+    def meet(self, name: str) -> None:
+        """Return once every rank has called ``meet(name)``, however long that takes; a rank lost or failed
+        meanwhile ends the wait with the verdict (:class:`RankLostError`).
+
+        Start-up's waits go here rather than into a collective: while the first rank of each GPU type profiles
+        (for as long as its model takes), the others would sit in a gather whose timeout may fire first (NCCL's,
+        the group's). A rank that profiles still beats, so only a lost or failed one ends the wait. Arrivals
+        are counted in the store; the wait polls that count, every millisecond at first, then at most every
+        quarter of a heartbeat."""
+        key = f"meet/{name}"
+        arrived, poll_s = self.store.add(key, 1), _FIRST_POLL_S
+        while arrived < self.world_size:
+            if self._verdict is not None:
+                self._handling.set()  # this thread raises the verdict: the watchdog need not end the process
+                raise RankLostError(f"{self._verdict}; {self.describe(self.rank)} stops too")
+            time.sleep(poll_s)
+            poll_s = min(2 * poll_s, self.policy.heartbeat_interval_s / 4)
+            arrived = self.store.add(key, 0)
+
     def explain(self, error: BaseException) -> RankLostError | None:
         """The lost or failed rank behind ``error`` (waiting for the verdict up to the timeout), or None if
-        ``error`` is this rank's own (it is then reported to the others)."""
+        ``error`` is this rank's own (it is then reported to the others) or the verdict already (:meth:`meet`)."""
         self._handling.set()
+        if isinstance(error, RankLostError):
+            self.stop()
+            return None
         if not is_communication_error(error):
             self.report(error)
             self.stop()

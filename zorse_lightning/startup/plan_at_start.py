@@ -21,6 +21,13 @@ is left on it after.
    where it is below the configured one;
 4. rank 0 plans, and every rank receives the plan.
 
+No rank waits for another inside a collective while that one profiles or plans:
+the first rank of a type profiles for as long as its model takes, and a gather's
+timeout (NCCL's, the group's) would fire first. So the ranks first meet
+(``StartupInputs.meet``: counted in the store, no timeout, ended only by the
+start-up watchdog's verdict on a lost or failed rank), and only then gather, over
+the gloo host group: start-up's pickles never go through a device collective.
+
 A module that cannot be cut, or that optimises by hand, gets a data-parallel
 plan without profiling, and the plan's notes say why. Nothing is written back
 onto the strategy: what the run needs later is in the result.
@@ -88,6 +95,13 @@ class StartupInputs:
     optimizer: OptimizerFactory | None = None
     """Builds the user's optimizer (class and settings from ``configure_optimizers``) on given parameters;
     None: none known, the planner estimates an AdamW step."""
+    host_group: Any = None
+    """The gloo group over every rank that start-up's gathers go over (the strategy's host group,
+    :func:`~zorse_lightning.engine.host_group.host_group`). None: the default group, where it is gloo."""
+    meet: Callable[[str], None] | None = None
+    """Returns once every rank has called it with the same name, with no timeout (the start-up watchdog's
+    :meth:`~zorse_lightning.engine.faults.Watchdog.meet`): start-up meets before each gather that follows one
+    rank's long work (a GPU type's profile, rank 0's planning). None: the gathers wait by themselves (one rank)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,11 @@ class StartupResult:
 def _first_of_its_type(inventory: ClusterInventory, rank: int) -> bool:
     my_type = inventory.gpus[rank].gpu_type.name
     return next(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == my_type) == rank
+
+
+def _meet(inputs: StartupInputs, name: str) -> None:
+    if inputs.meet is not None:
+        inputs.meet(name)
 
 
 def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any]) -> StartupResult:
@@ -136,7 +155,9 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     )
     costs = mine.calibrated_costs
     measured: list[Any] = [None] * inputs.world_size
-    dist.all_gather_object(measured, replace(mine, calibrated_costs=None))  # alike on every rank: not sent
+    _meet(inputs, "profiled")
+    # calibrated costs are alike on every rank: not sent
+    dist.all_gather_object(measured, replace(mine, calibrated_costs=None), group=inputs.host_group)
     # between machines, the largest message a stage boundary could pass (a rank's whole batch of activations),
     # within the probe's bounds; the same on every rank (both ends allocate it)
     largest = max(m.output_bytes_per_sample * m.samples for m in measured)
@@ -144,7 +165,8 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module), boundary_bytes)
     if inputs.rank != 0:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, 0)
+        _meet(inputs, "planned")
+        dist.broadcast_object_list(box, 0, group=inputs.host_group)
         if isinstance(box[0], PlanningError):  # every rank stops with rank 0's reason, not a lost connection
             raise box[0]
         return StartupResult(box[0], costs)
@@ -154,9 +176,11 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         options, size_note = within_profiled_sizes(options, profiled.sizes, profiled.why_not)
         plan = make_plan(planned_on, profiled.profile, inputs.global_batch_size, options)
     except PlanningError as error:
-        dist.broadcast_object_list([error], 0)
+        _meet(inputs, "planned")
+        dist.broadcast_object_list([error], 0, group=inputs.host_group)
         raise
     notes = (*(note for p in probes for note in p.notes()), *([size_note] if size_note else []))
     plan = replace(plan, notes=(*plan.notes, *notes))
-    dist.broadcast_object_list([plan], 0)
+    _meet(inputs, "planned")
+    dist.broadcast_object_list([plan], 0, group=inputs.host_group)
     return StartupResult(plan, costs, profiled.profile, planned_on)

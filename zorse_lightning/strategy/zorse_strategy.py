@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -447,6 +448,7 @@ class ZorseStrategy(CheckpointHooks):
         environment = self.cluster_environment
         watchdog = watch_startup(environment.main_address, environment.main_port, self.inventory, self.global_rank,
                                  self.world_size, self._faults)
+        inputs = replace(inputs, host_group=self._state.host_group, meet=watchdog.meet)
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 batch = self.batch_to_device(next(iter(loader)))
