@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from zorse_lightning.planner import ilp
 from zorse_lightning.planner.ilp import AssignmentProblem, GroupCosts, StageCosts, solve_assignment
 
 
@@ -137,3 +138,30 @@ def test_warm_start_does_not_change_the_optimum(seed: int) -> None:
     assert (solved is None) == (expected is None)
     if expected is not None:
         assert solved.objective_ms == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_a_program_stopped_by_its_node_limit_says_so_and_stops_the_same_way_each_time(monkeypatch) -> None:
+    """The limit that ends a hard program counts nodes, not seconds: the same solution under any load."""
+    rng = random.Random(7)
+    problems = [random_problem(rng) for _ in range(40)]
+    monkeypatch.setattr(ilp, "MAX_NODES", 1)
+    stopped = 0
+    for problem in problems:
+        first = solve_assignment(problem, time_limit_s=20)
+        if first is None or first.record.status == "optimal":
+            continue
+        stopped += 1
+        assert first.record.status == "feasible (stopped at 1 nodes)"
+        again = solve_assignment(problem, time_limit_s=20)
+        assert (again.layer_counts, again.group_microbatches, again.objective_ms) == (
+            first.layer_counts, first.group_microbatches, first.objective_ms
+        )
+    assert stopped >= 1
+
+
+def test_cbc_runs_on_one_thread_with_fixed_seeds_and_the_clock_only_as_a_safety_stop() -> None:
+    import pulp
+
+    solver = ilp._cbc(pulp, time_limit_s=3.0)
+    assert solver.optionsDict["threads"] == 1 and solver.timeLimit == 3.0
+    assert {f"maxNodes {ilp.MAX_NODES}", f"randomSeed {ilp.SEED}", f"randomCbcSeed {ilp.SEED}"} <= set(solver.options)

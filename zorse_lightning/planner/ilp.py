@@ -28,6 +28,7 @@ constant, which keeps the program linear; conservative).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -99,16 +100,30 @@ def _pulp():
     return pulp
 
 
+MAX_NODES = 20_000
+"""Branch-and-bound nodes CBC may explore in one program: what ends a hard program, so that a plan is the
+same on a busy machine and an idle one (a wall-clock limit returns whatever the solver reached by then).
+The programs of the reference clusters and models end within 40 nodes (mix32 Llama 7B, a10g_l4_t4 GPT
+1.3B, 2026-11-28); this leaves room for programs hundreds of times harder before the limit binds."""
+SEED = 1
+"""CBC's random seeds, fixed: its branching choices are the same in every run."""
+
+
 def _cbc(pulp, time_limit_s: float, warm_start: bool = False):
-    """PuLP's bundled CBC (PuLP 3 warns it moves to an extra in PuLP 4; the extra is
-    not installed here, so keep the bundled binary and silence that notice).
+    """PuLP's bundled CBC, deterministic: one thread, fixed seeds, stopped by :data:`MAX_NODES`; the
+    wall-clock ``time_limit_s`` is only a safety stop, whose use the solver record reports (PuLP 3 warns
+    it moves to an extra in PuLP 4; the extra is not installed here, so keep the bundled binary and
+    silence that notice).
 
     Cut generation and CBC's heuristics are off: on these small, tight programs they
     cost ten times the branching they save (measured: 1.3 s against 0.1 s).
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start, options=["cuts off", "heur off"])
+        return pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit_s, warmStart=warm_start, threads=1,
+            options=["cuts off", "heur off", f"maxNodes {MAX_NODES}", f"randomSeed {SEED}", f"randomCbcSeed {SEED}"],
+        )
 
 
 def group_limit(stage: StageCosts, group: int, k: int, num_m: int) -> int | None:
@@ -244,7 +259,9 @@ def solve_assignment(
         prob += exposed_tail >= pulp.lpSum(stage.tail_ms[k - 1] * use[s, k] for k in options[s])
 
     warm = start is not None and _set_start(problem, options, start, use, total, busiest, copies, shares)
+    began = time.perf_counter()
     prob.solve(_cbc(pulp, time_limit_s, warm_start=warm))
+    stopped_by_clock = time.perf_counter() - began >= time_limit_s
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
     counts = tuple(next(k for k in options[s] if use[s, k].value() > 0.5) for s in range(len(problem.stages)))
@@ -252,7 +269,12 @@ def solve_assignment(
         tuple(int(round(total[s, g].value())) for g in range(len(stage.groups))) for s, stage in enumerate(problem.stages)
     )
     objective = pulp.value(prob.objective)
-    quality = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible (time limit)"
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        quality = "optimal"
+    elif stopped_by_clock:
+        quality = f"feasible (stopped by the {time_limit_s:g} s safety limit: plans may differ with the machine's load)"
+    else:
+        quality = f"feasible (stopped at {MAX_NODES} nodes)"
     return Assignment(counts, microbatches, objective, SolverRecord(SOLVER_NAME, quality, objective))
 
 
