@@ -62,6 +62,9 @@ class Case:
 
 CASES = [
     Case("two_stages_1f1b_accumulate", [((0, 1), (2, 2), (0, 2)), ((2, 3), (3, 1), (2, 4))], accumulate=2),
+    # a replica that reduced inside its last backward would hold rank 0's gradient (issue 36; the rules mode's
+    # lazy communicators make that a failure here)
+    Case("two_stages_replicated_3_1_then_1_3", [((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))], clip=0.05),
     Case("one_then_three_5_2_1_clip", [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 4))], clip=0.05),
     Case(
         "data_parallel_uneven_sharded",
@@ -371,9 +374,10 @@ def test_evaluation_gives_every_microbatch_once(results):
         assert sum(r[case.name]["evaluated"] for r in results) == sum(case.stages[0][1]), case.name
 
 
-def test_reduction_starts_during_the_last_backward(results):
-    """Every bucket's all-reduce was under way before reduce_gradients where asked, none where not; a stage of
-    one rank has nothing to sum its own weights over: no bucket, no hook, no collective."""
+def test_reduction_starts_before_reduce_gradients_where_asked(results):
+    """Every bucket's all-reduce was under way before reduce_gradients where asked (during the last backward
+    without pipeline messages, after posting the last gradient in a pipeline), none where not; a stage of one
+    rank has nothing to sum its own weights over: no bucket, no hook, no collective."""
     for case in CASES:
         if case.sharding in (Sharding.OPTIMIZER_GRADIENTS, Sharding.FULL):
             continue  # gradients go to their owners only: no stage-wide all-reduce
@@ -383,7 +387,7 @@ def test_reduction_starts_during_the_last_backward(results):
             if stage is None or len(stage[0]) == 1:
                 assert run["buckets"] == 0 and run["started_in_backward"] == [0] * STEPS, (case.name, rank, run)
                 continue
-            assert run["buckets"] >= 2, (case.name, rank, run["buckets"])
+            assert run["buckets"] >= (2 if case.model == "gpt" else 1), (case.name, rank, run["buckets"])
             expected = run["buckets"] if case.reduce_in_backward else 0
             assert run["started_in_backward"] == [expected] * STEPS, (case.name, rank, run)
 
