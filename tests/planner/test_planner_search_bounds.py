@@ -73,7 +73,7 @@ def test_a_stage_waits_for_an_activation_and_a_gradient_from_before_and_a_gradie
     ctx = CostContext.build(inventory, profile)
     layout = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # one machine per stage
     message_bytes = profile.layers[0].output_bytes_per_sample * 4
-    one_ms = transfer_ms(message_bytes, *ctx.links.link(0, 4)[1:])
+    one_ms = transfer_ms(message_bytes, *ctx.links.link(0, 4, header=True)[1:])
     waits = [receive_wait_ms(ctx, layout, s, layout[s], message_bytes) for s in range(3)]
     assert waits == pytest.approx([one_ms, 3 * one_ms, 2 * one_ms])
 

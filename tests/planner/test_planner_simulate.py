@@ -20,6 +20,7 @@ import pytest
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
+from zorse_lightning.cluster.inventory import Latencies
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import CostContext, EventKind, Plan, StagePlan, PlannerOptions, make_plan, plan_cost, simulate
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
@@ -162,3 +163,40 @@ def test_a_message_moves_when_its_receiver_is_free() -> None:
     last = [e for e in timeline.of_rank(1) if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)]
     for backward, forward in zip(last[1::2], last[2::2]):
         assert forward.start_ms == pytest.approx(backward.end_ms + 2 * transfer)
+
+
+MESSAGE_BYTES = 125_000
+"""An activation of one sample: 10.5 ms over 100 Mbit/s, 10 us over 100 Gb/s (at 95 %)."""
+
+
+def _near_and_far(header_us: float = 0.0) -> ClusterInventory:
+    """Ranks 0 and 1 on one machine (100 Gb/s between them), rank 2 on another behind 100 Mbit/s."""
+    a100 = DEFAULT_CATALOG.get("a100x40")
+    machines = (Machine("near", (a100, a100), intra_bandwidth_gbps=100.0), Machine("far", (a100,), intra_bandwidth_gbps=100.0))
+    return ClusterInventory("near_far", machines, inter_machine_bandwidth_gbps=0.1,
+                            latencies=Latencies(header_intra_machine_us=header_us, header_inter_machine_us=header_us))
+
+
+def _three_stages() -> Plan:
+    """Embedding + layer 0 on rank 0 (2 ms a forward), layer 1 on rank 1 (1 ms), layer 2 + head on rank 2
+    (2 ms); two microbatches of one sample, GPipe."""
+    stages = tuple(
+        StagePlan((r,), ("a100x40",), (machine,), layers, (2,))
+        for r, machine, layers in ((0, "near", (0, 1)), (1, "near", (1, 2)), (2, "far", (2, 3)))
+    )
+    return Plan("sim", "near_far", 3, 3, 2, 1, Schedule.GPIPE, stages)
+
+
+def test_a_header_is_priced_on_activations_only() -> None:
+    """The engine sends its host header before an activation and none before a gradient (it has the shape
+    of the activation it belongs to): both the closed form's routes and gloo's play price it so."""
+    profile = replace(_profile(MESSAGE_BYTES), layers=_profile(MESSAGE_BYTES).layers[:3])
+    ctx = CostContext.build(_near_and_far(header_us=1000.0), profile)
+    plan = _three_stages()
+    slow_ms = 0.020 + MESSAGE_BYTES / (0.1e9 / 8 * 0.95) * 1e3
+    assert plan_cost(ctx, plan).boundaries[1].route_ms == (pytest.approx((slow_ms + 1.0, slow_ms)),)
+    crossing = [e for e in simulate(ctx, plan).events if e.kind is EventKind.SEND and e.stage == 1]
+    activations = [e.end_ms - e.start_ms for e in crossing if e.rank == 1]
+    gradients = [e.end_ms - e.start_ms for e in crossing if e.rank == 2]
+    assert activations == pytest.approx([slow_ms + 1.0] * 2) and gradients == pytest.approx([slow_ms] * 2)
+

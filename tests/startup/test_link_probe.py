@@ -116,8 +116,13 @@ def _probe_worker(rank: int, out_dir: Path) -> dict:
     batches: list[list[tuple[str, int]]] = []
     real_batch = dist.batch_isend_irecv
 
+    transfers: list[list[tuple[str, int]]] = []
+    """The batches carrying the transfer between machines (its size, MIN_PROBE_BYTES)."""
+
     def recorded(ops: list) -> list:
         batches.append([(op.op.__name__, op.peer) for op in ops])
+        if any(op.tensor.nbytes == MIN_PROBE_BYTES for op in ops) and dist.get_rank() in (0, 3):
+            transfers.append([(op.op.__name__, op.peer) for op in ops])
         return real_batch(ops)
 
     def refused(*args: object, **kwargs: object) -> None:
@@ -140,6 +145,7 @@ def _probe_worker(rank: int, out_dir: Path) -> dict:
                 for p in probes if isinstance(p, MachinePairProbe)
             ],
             "peers": sorted({tuple(sorted(b)) for b in batches}),
+            "transfers": sorted({tuple(b) for b in transfers}),
         }
     finally:
         dist.destroy_process_group()
@@ -148,7 +154,10 @@ def _probe_worker(rank: int, out_dir: Path) -> dict:
 @pytest.mark.multiprocess
 def test_each_machine_and_pair_of_machines_is_probed_in_batches_and_every_rank_agrees(tmp_path: Path) -> None:
     """m0's three ranks pass their ring (rank 0 -> 1 -> 2 -> 0), each pass one batch of a send to the next
-    and a receive from the previous; m0's and m1's first ranks (0 and 3) exchange over the default group."""
+    and a receive from the previous; m0's and m1's first ranks (0 and 3) exchange a small message over the
+    default group and time the transfer one direction at a time: both ways at once between two ranks, one
+    gloo connection took up to twice a direction's time across a shaped link (the module's docstring), and
+    the link was priced at half its rate."""
     results = spawn_ranks(_probe_worker, 4, tmp_path)
     assert all(r["inside"] == results[0]["inside"] and r["between"] == results[0]["between"] for r in results)
     (probe,) = results[0]["inside"]  # m1 has one rank: nothing to all-reduce
@@ -164,8 +173,11 @@ def test_each_machine_and_pair_of_machines_is_probed_in_batches_and_every_rank_a
     for rank in (0, 1, 2):
         send_to, receive_from = ring[rank]
         assert [["irecv", receive_from], ["isend", send_to]] in results[rank]["peers"]
-    assert [["irecv", 3], ["isend", 3]] in results[0]["peers"] and results[3]["peers"] == [[["irecv", 0], ["isend", 0]]]
+    assert [["irecv", 3], ["isend", 3]] in results[0]["peers"]  # the small message, both ways at once
+    assert results[3]["peers"] == [[["irecv", 0]], [["irecv", 0], ["isend", 0]], [["isend", 0]]]
     assert results[1]["peers"] == [[["irecv", 0], ["isend", 2]]]  # no rank but the first of each machine pairs up
+    assert results[0]["transfers"] == [[["irecv", 3]], [["isend", 3]]]  # each direction alone, a batch of one
+    assert results[3]["transfers"] == [[["irecv", 0]], [["isend", 0]]]
 
 
 def test_pair_rounds_meet_every_pair_once_and_no_machine_twice_a_round() -> None:
@@ -192,10 +204,11 @@ def test_a_slow_link_between_machines_lowers_the_inventory_and_the_header_is_pri
     assert lowered.bandwidth_gbps(0, 1) == inventory.bandwidth_gbps(0, 1)  # inside m0: on time, as configured
     assert (lowered.latencies.header_intra_machine_us, lowered.latencies.header_inter_machine_us) == (40.0, 150.0)
     links = LinkTable(lowered)
-    assert links.link(0, 2)[1:] == pytest.approx((slow.effective_gbps * LINK_EFFICIENCY, 300.0 + 150.0))
-    assert links.link(0, 1)[2] == pytest.approx(lowered.latency_us(0, 1) + 40.0)
+    assert links.link(0, 2, header=True)[1:] == pytest.approx((slow.effective_gbps * LINK_EFFICIENCY, 300.0 + 150.0))
+    assert links.link(0, 1, header=True)[2] == pytest.approx(lowered.latency_us(0, 1) + 40.0)
     assert links.ring((0, 2))[1] == 300.0  # a collective sends no header
     later, slower = slow.notes()
     assert "0.30 ms at start, above the 20 us configured" in later and "as at 0.848 Gbit/s" in slower
     fast = replace(slow, transfer_ms=0.2, message_us=configured_us / 2, header_us=0.0)
     assert with_measured_rates(inventory, [fast]) is inventory and fast.notes() == []
+

@@ -15,7 +15,7 @@ from collections import Counter
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.update import update_lower_bound_ms
 from zorse_lightning.planner.grouping import Layout
-from zorse_lightning.planner.problem import block_extras, boundary_transfer_ms
+from zorse_lightning.planner.problem import block_extras, round_trip_ms
 
 
 def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int) -> float:
@@ -44,7 +44,7 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
     )
     fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
     message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
-    transfers = sum(2 * boundary_transfer_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
+    transfers = sum(round_trip_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras),

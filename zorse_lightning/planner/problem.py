@@ -124,11 +124,22 @@ class WindowCosts:
         return self._memo(("act", microbatch_size, recompute), make)
 
 
-def boundary_transfer_ms(ctx: CostContext, sender: tuple[int, ...], receiver: tuple[int, ...], message_bytes: float) -> tuple[float, float]:
-    """Bounds on one transfer of a message from a GPU of one stage to one of the next:
-    (at the best bandwidth and latency, at the worst) over the machines involved."""
-    low_gbps, high_gbps, low_us, high_us = ctx.links.between(sender, receiver)
+def boundary_transfer_ms(
+    ctx: CostContext, sender: tuple[int, ...], receiver: tuple[int, ...], message_bytes: float, activation: bool
+) -> tuple[float, float]:
+    """Bounds on one transfer of a message (an ``activation``, with its host header, or a gradient) from a GPU
+    of one group to one of another: (at the best bandwidth and latency, at the worst) over the machines involved."""
+    low_gbps, high_gbps, low_us, high_us = ctx.links.between(sender, receiver, header=activation)
     return transfer_ms(message_bytes, high_gbps, low_us), transfer_ms(message_bytes, low_gbps, high_us)
+
+
+def round_trip_ms(
+    ctx: CostContext, sender: tuple[int, ...], receiver: tuple[int, ...], message_bytes: float
+) -> tuple[float, float]:
+    """Bounds on an activation from ``sender`` to ``receiver`` and its gradient back (:func:`boundary_transfer_ms`)."""
+    forward = boundary_transfer_ms(ctx, sender, receiver, message_bytes, activation=True)
+    back = boundary_transfer_ms(ctx, receiver, sender, message_bytes, activation=False)
+    return forward[0] + back[0], forward[1] + back[1]
 
 
 def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[int, ...], message_bytes: float) -> float:
@@ -140,9 +151,9 @@ def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[i
     stage's busy time per microbatch as its compute does: splits that balance compute alone leave
     the stages with the most or slowest transfers (the middle ones, across slow links) busiest.
     """
-    wait = 2 * boundary_transfer_ms(ctx, layout[stage - 1], ranks, message_bytes)[1] if stage > 0 else 0.0
+    wait = round_trip_ms(ctx, layout[stage - 1], ranks, message_bytes)[1] if stage > 0 else 0.0
     if stage < len(layout) - 1:
-        wait += boundary_transfer_ms(ctx, layout[stage + 1], ranks, message_bytes)[1]
+        wait += boundary_transfer_ms(ctx, layout[stage + 1], ranks, message_bytes, activation=False)[1]
     return wait
 
 
@@ -198,6 +209,7 @@ def build_problem(
         first, last = s == 0, s == num_stages - 1
         sharding = candidate.sharding if len(ranks) > 1 else Sharding.NONE
         groups = stage_groups(ctx, ranks)
+        nccl = ctx.nccl_bytes(widths, s, num_stages > 1)
         extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
         costs = []
@@ -210,7 +222,7 @@ def build_problem(
                 GroupCosts(
                     count=len(group),
                     microbatch_ms=tuple(t + extra_ms for t in times),
-                    fixed_bytes=tuple(h + ctx.reserve_bytes(group[0]) for h in held),
+                    fixed_bytes=tuple(h + ctx.reserve_bytes(group[0]) + nccl for h in held),
                     activation_bytes=tuple(a + extra_act for a in windows.activation_bytes(m, candidate.recompute)),
                     capacity_bytes=ctx.capacity_bytes(group[0]),
                     receive_ms=receive_wait_ms(ctx, candidate.layout, s, group, message_bytes),
@@ -227,7 +239,7 @@ def build_problem(
         )
         all_groups.append(groups)
     constant = sum(
-        2 * boundary_transfer_ms(ctx, a, b, message_bytes)[1] for a, b in zip(candidate.layout, candidate.layout[1:])
+        round_trip_ms(ctx, a, b, message_bytes)[1] for a, b in zip(candidate.layout, candidate.layout[1:])
     )
     problem = AssignmentProblem(
         num_layers, global_batch_size // m, tuple(stages), constant_ms=constant, layer_counts=layer_counts

@@ -33,11 +33,23 @@ machine group's own communicator (all its ranks take part in the first batch).
 Why the links between machines: a detected cluster prices them at 100 Gb/s and a
 configured one at what the user wrote; neither is what gloo or NCCL deliver
 between these hosts. So the first ranks of each pair of machines exchange a
-small message and a transfer of ``transfer_bytes`` (the stage boundary's size
-where the caller knows it), pairs of disjoint machines at once
-(:func:`pair_rounds`), batched as above on the default group (its communicator
-exists by then); a slower or later measurement lowers that pair's link in the
-inventory (a ``machine_links`` entry), as inside machines.
+small message and time a transfer of ``transfer_bytes`` (the stage boundary's
+size where the caller knows it) in each direction alone, pairs of disjoint
+machines at once (:func:`pair_rounds`), batched as above on the default group
+(its communicator exists by then); a slower or later measurement lowers that
+pair's link in the inventory (a ``machine_links`` entry), as inside machines.
+
+Why each direction alone: the cost model prices each direction of a link on its
+own (links are full duplex), and a ring all-reduce across two machines sends
+one way between one pair of ranks and the other way between another. Timed
+both ways at once between the same two ranks, the transfer measured what a
+single gloo connection carrying both directions delivers: across a link shaped
+to 100 Mbit/s, 1 MiB took 174-243 ms both ways against 88 ms one way (4 and 13
+MiB: 402-711 and 1177-2449 ms, as slow as one direction after the other in two
+runs of five), where two connections in opposite directions, as the ring's,
+took 95-126 ms (368 and 1186 ms). The link was priced at half its rate, and the
+data-parallel plan across it predicted 1.8x its step (``bench/README.md``,
+fidelity and slow_link).
 
 Why the header: the engine sends each activation after a small host tensor (its
 dtype and shape) over the gloo group for host tensors
@@ -130,13 +142,14 @@ class MachineAllReduce(_AgainstConfigured):
 
 @dataclass(frozen=True)
 class MachinePairProbe(_AgainstConfigured):
-    """Two machines' first ranks exchanging a small message and a transfer (both ways at once; the slower
-    rank's median times)."""
+    """Two machines' first ranks exchanging a small message (both ways at once) and a transfer (each
+    direction alone); the slower rank's median times."""
 
     machine_a: str
     machine_b: str
     num_bytes: int
     transfer_ms: float
+    """The slower direction's transfer of ``num_bytes`` (the inventory holds one rate per pair of machines)."""
     message_us: float
     header_us: float
     """What the engine's host header adds to a message between the two machines, as measured."""
@@ -198,7 +211,7 @@ def probe_machines(
 ) -> list[LinkProbe]:
     """Every machine with several ranks times a small message round its ring and an all-reduce of
     ``num_bytes`` among them, all machines at once; then the first ranks of every pair of machines time a
-    message and a transfer of ``transfer_bytes`` (None: ``num_bytes``) between them; each message is also
+    message and a transfer of ``transfer_bytes`` (None: ``num_bytes``) each way between them; each message is also
     timed behind the engine's host header, sent over ``host_group`` (None: the default group where it is gloo,
     else a gloo group made for the probe). Collective: every rank calls it; the same list on every rank.
     The all-reduce's rate is fitted with the larger of the measured and configured latencies."""
@@ -252,7 +265,8 @@ def pair_rounds(num_machines: int) -> list[list[tuple[int, int]]]:
 def _probe_machine_pairs(
     inventory: ClusterInventory, rank: int, device: torch.device, num_bytes: int, host_group: Any
 ) -> list[MachinePairProbe]:
-    """The pairs of machines, timed by their first ranks over the default group (see the module's docstring)."""
+    """The pairs of machines, timed by their first ranks over the default group (see the module's docstring):
+    the transfer from ``a`` to ``b``, then from ``b`` to ``a``, each timed on both ends."""
     names = list(inventory.ranks_by_machine)
     first = [inventory.ranks_by_machine[name][0] for name in names]
     mine: dict[tuple[int, int], tuple[float, float, float]] = {}
@@ -261,10 +275,12 @@ def _probe_machine_pairs(
             if rank in (first[a], first[b]):
                 peer = first[b] if rank == first[a] else first[a]
                 message_ms, header_ms = _message_ms(peer, peer, None, host_group, device)
-                outgoing = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32, device=device)
-                incoming = torch.empty_like(outgoing)
-                moved_ms = time_ms(_exchange(peer, peer, outgoing, incoming, None), device, PROBE_TIMING)
-                mine[(a, b)] = (moved_ms, message_ms, header_ms)
+                tensor = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32, device=device)
+                each_way_ms = [
+                    time_ms(_one_way(rank == sender, peer, tensor, None), device, PROBE_TIMING)
+                    for sender in (first[a], first[b])
+                ]
+                mine[(a, b)] = (max(each_way_ms), message_ms, header_ms)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     results = []
@@ -281,11 +297,21 @@ def _probe_machine_pairs(
     return results
 
 
+def _one_way(sending: bool, peer: int, tensor: torch.Tensor, group: Any) -> Callable[[], None]:
+    """This rank's end of a transfer of ``tensor`` to ``peer`` (``sending``) or from it, posted as a batch of
+    one (see :func:`_batch`)."""
+    return _batch([dist.P2POp(dist.isend if sending else dist.irecv, tensor, peer, group=group)])
+
+
 def _exchange(to: int, source: int, outgoing: torch.Tensor, incoming: torch.Tensor, group: Any) -> Callable[[], None]:
-    """Send ``outgoing`` to ``to`` while receiving ``incoming`` from ``source``, posted as one batch: under
-    NCCL a batch runs on the group's own communicator, where a lone ``isend`` would first create a two-rank
-    one and block until its peer joins (see the module's docstring)."""
-    ops = [dist.P2POp(dist.isend, outgoing, to, group=group), dist.P2POp(dist.irecv, incoming, source, group=group)]
+    """Send ``outgoing`` to ``to`` while receiving ``incoming`` from ``source``, posted as one batch."""
+    return _batch([dist.P2POp(dist.isend, outgoing, to, group=group), dist.P2POp(dist.irecv, incoming, source, group=group)])
+
+
+def _batch(ops: list[dist.P2POp]) -> Callable[[], None]:
+    """Post ``ops`` as one batch and wait for them: under NCCL a batch runs on the group's own communicator,
+    where a lone ``isend`` would first create a two-rank one and block until its peer joins (see the
+    module's docstring)."""
 
     def run() -> None:
         for work in dist.batch_isend_irecv(ops):

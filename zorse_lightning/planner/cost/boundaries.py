@@ -60,20 +60,25 @@ def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     route_list = routes(sender, receiver)
     route_ms = []
     for a, b, count in route_list:
-        key = ctx.links.link(a, b)[0]
-        route_ms.append((link_transfer_ms(ctx, a, b, message_bytes, one_ms), link_transfer_ms(ctx, b, a, message_bytes, one_ms)))
+        key = ctx.links.link(a, b, header=True)[0]
+        route_ms.append((
+            link_transfer_ms(ctx, a, b, message_bytes, True, one_ms), link_transfer_ms(ctx, b, a, message_bytes, False, one_ms)
+        ))
         messages[key] = messages.get(key, 0) + count
     slowest = max((forward for forward, _ in route_ms), default=0.0)
-    busiest = max((one_ms[k] * n for k, n in messages.items()), default=0.0)
+    busiest = max((one_ms[(k, True)] * n for k, n in messages.items()), default=0.0)
     return BoundaryCost(slowest, busiest, tuple(route_list), tuple(route_ms))
 
 
-def link_transfer_ms(ctx: CostContext, src: int, dst: int, message_bytes: float, by_link: dict) -> float:
-    """One message from ``src`` to ``dst``, priced once per link in ``by_link`` (many routes share one)."""
-    key, bandwidth_gbps, latency_us = ctx.links.link(src, dst)
-    if key not in by_link:
-        by_link[key] = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
-    return by_link[key]
+def link_transfer_ms(
+    ctx: CostContext, src: int, dst: int, message_bytes: float, activation: bool, by_link: dict
+) -> float:
+    """One message from ``src`` to ``dst`` (an ``activation``, with its host header, or a gradient), priced
+    once per link and kind in ``by_link`` (many routes share one)."""
+    key, bandwidth_gbps, latency_us = ctx.links.link(src, dst, header=activation)
+    if (key, activation) not in by_link:
+        by_link[(key, activation)] = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
+    return by_link[(key, activation)]
 
 
 def receive_ms_per_microbatch(plan: Plan, boundaries: tuple[BoundaryCost, ...]) -> list[list[float]]:

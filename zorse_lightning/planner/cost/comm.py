@@ -134,18 +134,24 @@ class LinkTable:
         object.__setattr__(self, "_machines", tuple(g.machine for g in self.inventory.gpus))
         object.__setattr__(self, "_backend", CollectiveBackend.of(self.inventory))
 
-    def link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
+    def link(self, rank_a: int, rank_b: int, header: bool) -> tuple[LinkKey, float, float]:
         """(key of the shared link, effective bandwidth_gbps, latency_us) of a point-to-point message between
-        two ranks: the link's latency plus the engine's host header before it (the inventory's
-        ``latencies.header_*_us``, measured at start; gradients pay it too here, which they do not: one
-        small header's time per gradient over). Collectives send no header (:meth:`_link`)."""
+        two ranks: the link's latency, and with ``header`` the engine's host header before the message too
+        (the inventory's ``latencies.header_*_us``, measured at start). The engine sends a header before each
+        activation only: a gradient has the shape of the activation it belongs to, which both ends know
+        (:mod:`zorse_lightning.engine.p2p`), and collectives send none (:meth:`_link`)."""
         key, bandwidth_gbps, latency_us = self._link(rank_a, rank_b)
+        return key, bandwidth_gbps, latency_us + (self.header_us(rank_a, rank_b) if header else 0.0)
+
+    def header_us(self, rank_a: int, rank_b: int) -> float:
+        """What the engine's host header before an activation adds to its message between two ranks (the
+        inventory's ``latencies.header_*_us``, measured at start; 0 to itself)."""
         if rank_a == rank_b:
-            return key, bandwidth_gbps, latency_us
+            return 0.0
         latencies = self.inventory.latencies
-        same_machine = self._machines[rank_a] == self._machines[rank_b]
-        header_us = latencies.header_intra_machine_us if same_machine else latencies.header_inter_machine_us
-        return key, bandwidth_gbps, latency_us + header_us
+        if self._machines[rank_a] == self._machines[rank_b]:
+            return latencies.header_intra_machine_us
+        return latencies.header_inter_machine_us
 
     def _link(self, rank_a: int, rank_b: int) -> tuple[LinkKey, float, float]:
         """(key of the shared link, effective bandwidth_gbps, latency_us) between two ranks."""
@@ -164,20 +170,22 @@ class LinkTable:
             self._cache[("intra", ma, rank_a == rank_b) if ma == mb else key] = cached
         return key, cached[0], cached[1]
 
-    def between(self, ranks_a: tuple[int, ...], ranks_b: tuple[int, ...]) -> tuple[float, float, float, float]:
-        """(min, max bandwidth_gbps; min, max latency_us) over the links from any rank of
-        one group to any of another (one representative GPU per machine)."""
-        key = ("between", ranks_a, ranks_b)
+    def between(
+        self, ranks_a: tuple[int, ...], ranks_b: tuple[int, ...], header: bool
+    ) -> tuple[float, float, float, float]:
+        """(min, max bandwidth_gbps; min, max latency_us) over the links from any rank of one group to any of
+        another (one representative GPU per machine), of a message with or without ``header`` (:meth:`link`)."""
+        key = ("between", ranks_a, ranks_b, header)
         if key not in self._cache:
             reps_a = {self._machines[r]: r for r in ranks_a}.values()
             reps_b = {self._machines[r]: r for r in ranks_b}.values()
-            found = [self.link(a, b)[1:] for a in reps_a for b in reps_b]
+            found = [self.link(a, b, header)[1:] for a in reps_a for b in reps_b]
             bandwidths, latencies = [f[0] for f in found], [f[1] for f in found]
             self._cache[key] = (min(bandwidths), max(bandwidths), min(latencies), max(latencies))
         return self._cache[key]
 
     def bandwidth_gbps(self, rank_a: int, rank_b: int) -> float:
-        return self.link(rank_a, rank_b)[1]
+        return self._link(rank_a, rank_b)[1]
 
     def ring(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(slowest bandwidth_gbps, largest latency_us) of a ring through the ranks in order.

@@ -177,7 +177,7 @@ class _Play:
     link_free: dict[tuple, float] = field(default_factory=dict)
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
-    _routes: dict[tuple[int, int, int], _Route] = field(default_factory=dict)
+    _routes: dict[tuple[int, int, int, bool], _Route] = field(default_factory=dict)
     _upcoming: list[_Upcoming | None] = field(init=False)
     """Each rank's next action (:meth:`_next_of`), None once its program is done."""
 
@@ -272,11 +272,13 @@ class _Play:
 
     def route(self, message: Message) -> _Route:
         """The cost model's price of one message between two ranks (both directions carry
-        the boundary's activation size: a gradient is as large as its activation)."""
-        key = (message.src, message.dst, message.boundary)
+        the boundary's activation size: a gradient is as large as its activation; only an
+        activation carries the engine's host header)."""
+        activation = message.kind is ActionKind.FORWARD
+        key = (message.src, message.dst, message.boundary, activation)
         if key not in self._routes:
-            link, bandwidth_gbps, latency_us = self.ctx.links.link(message.src, message.dst)
+            link, bandwidth_gbps, latency_us = self.ctx.links.link(message.src, message.dst, activation)
             message_bytes = boundary_message_bytes(self.ctx, self.plan, message.boundary)
-            notice_link = self.ctx.links.link(message.dst, message.src)[0]
+            notice_link = self.ctx.links.link(message.dst, message.src, activation)[0]
             self._routes[key] = _Route(transfer_ms(message_bytes, bandwidth_gbps, latency_us), link, notice_link)
         return self._routes[key]
