@@ -40,9 +40,11 @@ class PlannerOptions:
     no_pipeline_reason: str = "the module cannot be cut into pipeline stages"
     """Why pipelining is off (``allow_pipeline=False``); recorded in the plan's notes."""
     memory_reserve_gib: float | None = None
-    """GiB of each GPU left to the framework (CUDA context, allocator slack), never planned
-    for. None: 0.5 GiB; on an emulated cluster scaled by each rank's memory budget over
-    its GPU type's memory."""
+    """GiB of each GPU left to the framework, never planned for: given, the whole of it (CUDA
+    context, allocator slack, NCCL's buffers). None: 0.5 GiB for the context and slack, on an
+    emulated cluster scaled by each rank's memory budget over its GPU type's memory, and on real
+    GPUs NCCL's buffers besides, priced per communicator the plan gives the rank
+    (:class:`~zorse_lightning.planner.cost.memory.NcclBuffers`)."""
     allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
     """Let plans leave the slowest GPU types idle when they would slow the rest down.
     Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); False: every rank works."""

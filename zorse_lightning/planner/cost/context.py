@@ -4,14 +4,25 @@ the parts so that each part reads them without importing the whole model."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.cost.comm import LinkTable
 from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbatch_times, with_offload_copies
-from zorse_lightning.planner.cost.memory import RankMemory, offloaded_bytes_per_microbatch, reserve_gib
+from zorse_lightning.planner.cost.memory import (
+    NcclBuffers, RankMemory, nccl_communicators, offloaded_bytes_per_microbatch, reserve_gib,
+)
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
+
+
+def _nccl_buffers(inventory: ClusterInventory, memory_reserve_gib: float | None) -> NcclBuffers | None:
+    """NCCL's buffers as this process's environment sets them (start-up plans on rank 0, in the job's), on real
+    GPUs; none where the ranks are emulated (gloo) or the user gave the whole reserve (``memory_reserve_gib``)."""
+    if inventory.emulated or memory_reserve_gib is not None:
+        return None
+    return NcclBuffers.from_environment(os.environ)
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,9 @@ class CostContext:
     reserves_bytes: tuple[float, ...]
     """Framework reserve per rank (see :func:`reserve_gib`)."""
     capacities_bytes: tuple[float, ...]
+    nccl: NcclBuffers | None = None
+    """What NCCL allocates per communicator on the ranks' GPUs (None: none priced: emulated ranks, whose groups are
+    gloo's, or a reserve the user gave whole)."""
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
     _fastest_layer_ms: dict = field(default_factory=dict, compare=False, repr=False)
@@ -82,10 +96,20 @@ class CostContext:
             gib_to_bytes(reserve_gib(g.memory_gib, g.gpu_type.memory_gib, inventory.emulated, memory_reserve_gib))
             for g in inventory.gpus
         )
-        return cls(inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus))
+        return cls(
+            inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus),
+            nccl=_nccl_buffers(inventory, memory_reserve_gib),
+        )
 
     def reserve_bytes(self, rank: int) -> float:
         return self.reserves_bytes[rank]
+
+    def nccl_bytes(self, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> float:
+        """NCCL's buffers on a rank of group ``group_index`` (None: idle) of a plan whose groups of ranks have
+        ``group_widths`` (see :func:`~.memory.nccl_communicators`)."""
+        if self.nccl is None:
+            return 0.0
+        return float(self.nccl.communicator_bytes * nccl_communicators(group_widths, group_index, pipelined))
 
     def capacity_bytes(self, rank: int) -> float:
         return self.capacities_bytes[rank]

@@ -178,6 +178,7 @@ def stage_memory(
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
     held, sharded = stage_state_bytes(parameters, profile_state_bytes(ctx.profile), stage.sharding, stage.gather_per_microbatch)
+    nccl = ctx.nccl_bytes(tuple(len(g.ranks) for g in plan.rank_groups), plan.group_of_stage(index), len(plan.stages) > 1)
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
@@ -191,7 +192,10 @@ def stage_memory(
             for s in chunks
         )
         return tuple(
-            RankMemory(held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n), host)
+            RankMemory(
+                held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n), host,
+                nccl,
+            )
             for r, fraction, peak, n, host in zip(stage.ranks, fractions, peaks, stepped, host_peaks)
         )
     first, last = index == 0, index == len(plan.stages) - 1
@@ -210,7 +214,7 @@ def stage_memory(
             flight = microbatches_in_flight(schedule, widths, index, n)
             alike[key] = RankMemory(
                 held, sharded * fraction, per_microbatch * flight + running, key[2], optimizer_step_bytes(ctx.profile, updated),
-                host_per_microbatch * flight,
+                host_per_microbatch * flight, nccl,
             )
         out.append(alike[key])
     return tuple(out)

@@ -26,6 +26,11 @@ engine assigns whole parameters to owners by ``shard_fractions``):
   embedding and head (weights and gradients) and two gathered blocks (one in use
   with its gradient while the next gathers) -- the only level whose peak shrinks
   with the number of GPUs beyond the optimizer state.
+
+Beside what torch allocates, a real GPU holds what nothing in torch counts: the
+CUDA context and the allocator's fragmentation (the reserve, :func:`reserve_gib`),
+and the buffers NCCL allocates for each communicator (:class:`NcclBuffers`), of
+which the plan gives a rank four or five (:func:`nccl_communicators`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,70 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
 
 DEFAULT_RESERVE_GIB = 0.5
-"""CUDA context, allocator fragmentation and NCCL buffers on a real GPU."""
+"""CUDA context and allocator fragmentation on a real GPU (NCCL's buffers apart: :class:`NcclBuffers`)."""
+
+NCCL_BUFFSIZE_DEFAULT_BYTES = 4 * 1024 * 1024
+"""NCCL's ``NCCL_BUFFSIZE`` where unset: the buffer of one channel toward one peer."""
+NCCL_CHANNELS_DEFAULT = 2
+"""Channels NCCL gives a communicator over PCIe or the network (two per ring it finds); NVLink machines get
+more, which ``NCCL_MIN_NCHANNELS`` states for the pricing and start-up's measurement shows on a real GPU."""
+
+
+@dataclass(frozen=True)
+class NcclBuffers:
+    """The device memory NCCL allocates for each communicator, outside torch's caching allocator (no torch
+    statistic shows it, and it appears when the communicator is made: at setup, not in the profile): for
+    each channel, a buffer of ``NCCL_BUFFSIZE`` toward each neighbour of the rank in the channel's ring."""
+
+    buffer_bytes: int = NCCL_BUFFSIZE_DEFAULT_BYTES
+    channels: int = NCCL_CHANNELS_DEFAULT
+
+    @property
+    def communicator_bytes(self) -> int:
+        return 2 * self.channels * self.buffer_bytes
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> NcclBuffers:
+        """What NCCL reads from ``environ`` (the ranks' environment): ``NCCL_BUFFSIZE``, and the channels
+        between ``NCCL_MIN_NCHANNELS`` and ``NCCL_MAX_NCHANNELS`` (:data:`NCCL_CHANNELS_DEFAULT` within them)."""
+        buffer_bytes = _positive_int(environ, "NCCL_BUFFSIZE", NCCL_BUFFSIZE_DEFAULT_BYTES)
+        fewest = _positive_int(environ, "NCCL_MIN_NCHANNELS", 1)
+        most = _positive_int(environ, "NCCL_MAX_NCHANNELS", max(fewest, NCCL_CHANNELS_DEFAULT))
+        return cls(buffer_bytes, min(max(NCCL_CHANNELS_DEFAULT, fewest), most))
+
+
+def _positive_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise PlanningError(
+            f"{name}={value!r} is not a positive whole number, which NCCL needs (and the memory model prices "
+            f"NCCL's buffers by); set it to one, or unset it for NCCL's default"
+        )
+    return number
+
+
+def nccl_communicators(group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> int:
+    """The NCCL communicators the engine makes for one rank (``engine.groups.build_groups``, every one made at
+    setup), of groups of at least two ranks: the default group; its group of ranks (its stage's); the groups
+    of the stages that may share a weight: the first and last groups (tied embeddings) and, with three groups
+    or more, all of them; and the pipeline group (every rank) where ``pipelined`` (the plan has stages to pass
+    between). ``group_widths``: ranks per group (the stages' ranks; an interleaved plan's groups); an idle rank
+    (``group_index`` None) is in the default and pipeline groups only. The host group is gloo: no NCCL buffers."""
+    world = sum(group_widths) + (group_index is None)
+    count = (world > 1) + (pipelined and world > 1)
+    if group_index is None:
+        return count
+    last = len(group_widths) - 1
+    count += group_widths[group_index] > 1
+    if last > 0 and group_index in (0, last):
+        count += 1
+    return count + (last > 1)
 
 
 @dataclass(frozen=True)
@@ -298,10 +366,16 @@ class RankMemory:
     host_bytes: float = 0.0
     """Pinned host memory of the rank's offloaded activations at its peak (not on the device: not in
     :attr:`total_bytes`); the machine's ranks share its host memory."""
+    nccl_bytes: float = 0.0
+    """NCCL's buffers of the rank's communicators (:class:`NcclBuffers` times :func:`nccl_communicators`;
+    none on an emulated rank, whose groups are gloo's)."""
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.sharded_bytes + max(self.activation_bytes, self.step_bytes) + self.reserve_bytes
+        return (
+            self.state_bytes + self.sharded_bytes + max(self.activation_bytes, self.step_bytes) + self.reserve_bytes
+            + self.nccl_bytes
+        )
 
 
 def stage_state_bytes(
