@@ -64,6 +64,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, all_baselines, make_plan
 from zorse_lightning.planner.choice import IDLE_MARGIN
+from zorse_lightning.planner.cost.update import optimizer_step_ms
 from zorse_lightning.planner.search import EVEN_SPLIT, ProgramLog, ProgramRun
 from zorse_lightning.profiling import (
     MixedProfileSourcesWarning,
@@ -90,6 +91,10 @@ class Case:
     bound_ms: float
     used_bound_ms: float | None = None
     """The same bound over the GPUs the plan uses (its idle ones left out; None: no plan)."""
+    step_bound_ms: float | None = None
+    """A bound that also counts the optimizer step (:func:`compute_bound_ms` with ``with_step``)."""
+    step_used_bound_ms: float | None = None
+    """That bound over the GPUs the plan uses (None: no plan)."""
     stages: int | None = None
     """Pipeline stages of the plan (None: no plan)."""
     idle_gpus: int | None = None
@@ -123,6 +128,14 @@ class Case:
         ratio to a bound on every plan: the GPUs it idles could in principle help (the planner idles them
         only where every plan it found using them is slower by :data:`IDLE_MARGIN`)."""
         return None if self.plan_ms is None or self.used_bound_ms is None else self.plan_ms / self.used_bound_ms
+
+    @property
+    def ratio_to_step_bound(self) -> float | None:
+        return None if self.plan_ms is None or self.step_bound_ms is None else self.plan_ms / self.step_bound_ms
+
+    @property
+    def ratio_to_step_used_bound(self) -> float | None:
+        return None if self.plan_ms is None or self.step_used_bound_ms is None else self.plan_ms / self.step_used_bound_ms
 
     @property
     def best_baseline_ms(self) -> float | None:
@@ -159,6 +172,10 @@ class Case:
             "ratio_to_bound": self.ratio_to_bound,
             "used_bound_ms": self.used_bound_ms,
             "ratio_to_used_bound": self.ratio_to_used_bound,
+            "step_bound_ms": self.step_bound_ms,
+            "ratio_to_step_bound": self.ratio_to_step_bound,
+            "step_used_bound_ms": self.step_used_bound_ms,
+            "ratio_to_step_used_bound": self.ratio_to_step_used_bound,
             "stages": self.stages,
             "idle_gpus": self.idle_gpus,
             "sharding": self.sharding,
@@ -189,6 +206,7 @@ def layer_sample_ms(curve_pair, sizes: list[int]) -> float:
 
 def compute_bound_ms(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, sizes: list[int], idle: tuple[int, ...] = (),
+    with_step: bool = False,
 ) -> float:
     """Iteration time if every GPU computed layers only, each layer at its least time per sample
     over the microbatch sizes ``sizes`` (see :func:`layer_sample_ms`), no GPU ever waiting.
@@ -202,33 +220,52 @@ def compute_bound_ms(
     a type may be relatively faster on some layers, so the bound is the linear program that assigns
     layer-samples to GPU types freely (:func:`_assignment_bound_ms`). ``idle``: ranks left out (the same
     bound over the GPUs a plan uses: no global bound, see :attr:`Case.ratio_to_used_bound`).
+
+    ``with_step``: the optimizer step counted too. Every parameter of the model is stepped at least once,
+    by a GPU that spends :func:`optimizer_step_ms` on it (its bytes at the GPU's memory bandwidth, or the
+    rate it measured) besides its compute of the iteration, so the program also splits the model's
+    parameters over the GPU types freely, each type's layer work and step work within ``count x T``.
+    Still a bound: unsharded stages step their parameters on every rank, and a stage's step waits for its
+    synchronisation.
     """
     gpus = [g for rank, g in enumerate(inventory.gpus) if rank not in idle]
     per_sample = {t.name: [layer_sample_ms(l, sizes) for l in profile.times(t.name).layers] for t in inventory.gpu_types}
+    counts = {t: sum(g.gpu_type.name == t for g in gpus) for t in per_sample}
+    if with_step:
+        step_ms = {t.name: optimizer_step_ms(profile.times(t.name), t, 1.0) for t in inventory.gpu_types}
+        return _assignment_bound_ms(per_sample, counts, global_batch_size, (step_ms, profile.total_parameters))
     if all(len(set(times)) <= 1 for times in per_sample.values()):
         samples_per_ms = sum(1.0 / sum(per_sample[g.gpu_type.name]) for g in gpus)
         return global_batch_size / samples_per_ms
-    counts = {t: sum(g.gpu_type.name == t for g in gpus) for t in per_sample}
     return _assignment_bound_ms(per_sample, counts, global_batch_size)
 
 
-def _assignment_bound_ms(per_sample: dict[str, list[float]], counts: dict[str, int], global_batch_size: int) -> float:
+def _assignment_bound_ms(
+    per_sample: dict[str, list[float]], counts: dict[str, int], global_batch_size: int,
+    step: tuple[dict[str, float], float] | None = None,
+) -> float:
     """Least T such that each layer's ``global_batch_size`` samples, split freely over GPU types, keep every
-    type's work within ``count x T``: no plan assigns layers better."""
+    type's work within ``count x T``: no plan assigns layers better. ``step``: (each type's optimizer step
+    per parameter in ms, the model's parameters), the parameters split over the types as freely."""
     import pulp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3's notices of PuLP 4's API and CBC extra
         problem = pulp.LpProblem("compute_bound", pulp.LpMinimize)
         limit = pulp.LpVariable("T", lowBound=0)
-        share = {
-            (t, l): pulp.LpVariable(f"x_{i}_{l}", lowBound=0) for i, t in enumerate(per_sample) for l in range(len(per_sample[t]))
-        }
+        used = [t for t in per_sample if counts[t] > 0]
+        share = {(t, l): pulp.LpVariable(f"x_{i}_{l}", lowBound=0) for i, t in enumerate(used) for l in range(len(per_sample[t]))}
+        stepped = {t: pulp.LpVariable(f"p_{i}", lowBound=0) for i, t in enumerate(used)}
         problem += limit
         for l in range(len(next(iter(per_sample.values())))):
-            problem += pulp.lpSum(share[t, l] for t in per_sample) == global_batch_size
-        for t, times in per_sample.items():
-            problem += pulp.lpSum(share[t, l] * ms for l, ms in enumerate(times)) <= counts[t] * limit
+            problem += pulp.lpSum(share[t, l] for t in used) == global_batch_size
+        if step is not None:
+            problem += pulp.lpSum(stepped.values()) == step[1]
+        for t in used:
+            work = pulp.lpSum(share[t, l] * ms for l, ms in enumerate(per_sample[t]))
+            if step is not None:
+                work += stepped[t] * step[0][t]
+            problem += work <= counts[t] * limit
         problem.solve(pulp.PULP_CBC_CMD(msg=False))
     return pulp.value(limit)
 
@@ -261,6 +298,8 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
     used_bound = plan and compute_bound_ms(inventory, profile, batch, sizes, plan.idle_ranks)
     return Case(
         cluster, model, batch, plan and plan.predicted.iteration_ms, baselines, bound, used_bound,
+        step_bound_ms=compute_bound_ms(inventory, profile, batch, sizes, with_step=True),
+        step_used_bound_ms=plan and compute_bound_ms(inventory, profile, batch, sizes, plan.idle_ranks, with_step=True),
         programs=tuple(programs.runs), idle_baselines=idle_baselines, **shape,
     )
 
@@ -321,6 +360,11 @@ def ilp_summary(runs: list[ProgramRun]) -> dict:
     }
 
 
+def _median(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> dict:
     ratios = [c.ratio_to_bound for c in cases if c.ratio_to_bound is not None]
     planned = [c for c in cases if c.stages is not None]
@@ -332,6 +376,8 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
         "median_ratio_to_used_bound": statistics.median(used) if (used := [
             c.ratio_to_used_bound for c in cases if c.ratio_to_used_bound is not None
         ]) else None,
+        "median_ratio_to_step_bound": _median(c.ratio_to_step_bound for c in cases),
+        "median_ratio_to_step_used_bound": _median(c.ratio_to_step_used_bound for c in cases),
         "median_stages_per_plan": statistics.median(c.stages for c in planned) if planned else None,
         "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
         "interleaved_plans": {str(d): sum(c.interleave == d for c in planned) for d in sorted({c.interleave for c in planned})},
@@ -376,7 +422,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['cases']} cases ({len(skipped)} skipped: nothing fits); worse than a baseline: "
         f"{result['worse_than_a_baseline']}; missing plans: {result['missing_plans']}; "
         f"median plan / bound: {result['median_ratio_to_bound']:.3f} (over the GPUs each plan uses: "
-        f"{result['median_ratio_to_used_bound']:.3f}); median stages per plan: "
+        f"{result['median_ratio_to_used_bound']:.3f}); with the optimizer step in the bound: "
+        f"{result['median_ratio_to_step_bound']:.3f} (over the GPUs each plan uses: "
+        f"{result['median_ratio_to_step_used_bound']:.3f}); median stages per plan: "
         f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}; "
         f"plans by interleaving degree: {result['interleaved_plans']} (interleaving offered: {args.interleaving})"
     )
