@@ -8,9 +8,12 @@ from dataclasses import replace
 import pytest
 
 from zorse_lightning.capabilities import Sharding
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.memory import (
+    NcclBuffers,
     RankMemory,
     activation_bytes_per_microbatch,
+    nccl_communicators,
     optimizer_step_bytes,
     profile_state_bytes,
     stage_state_bytes,
@@ -61,3 +64,56 @@ def test_what_a_running_microbatch_holds_counts_once_on_the_stages_with_the_edge
                                        transient_bytes_per_microbatch=10))
     assert transient_bytes(profile, 4, first=False, last=True) == 4010.0
     assert transient_bytes(profile, 4, first=True, last=False) == 0.0
+
+
+MIB = 1024 * 1024
+
+
+def test_nccls_buffers_per_communicator_follow_its_settings():
+    """NCCL_BUFFSIZE toward each ring neighbour on each channel: 4 MiB x 2 channels x 2 unset."""
+    assert NcclBuffers.from_environment({}).communicator_bytes == 16 * MIB
+    bigger = NcclBuffers.from_environment({"NCCL_BUFFSIZE": str(8 * MIB), "NCCL_MIN_NCHANNELS": "4"})
+    assert (bigger.buffer_bytes, bigger.channels, bigger.communicator_bytes) == (8 * MIB, 4, 64 * MIB)
+    assert NcclBuffers.from_environment({"NCCL_MAX_NCHANNELS": "1"}).communicator_bytes == 8 * MIB
+    with pytest.raises(PlanningError, match=r"NCCL_BUFFSIZE='4M' is not a positive whole number.*unset it"):
+        NcclBuffers.from_environment({"NCCL_BUFFSIZE": "4M"})
+
+
+@pytest.mark.parametrize("widths, group, pipelined, expected", [
+    ((4, 4), 0, True, 4),  # default, its stage, first and last (tied), pipeline
+    ((2, 2, 2), 0, True, 5),  # and every group: the first and last ranks' four or five
+    ((2, 2, 2), 1, True, 4),  # a middle stage: default, its stage, every group, pipeline
+    ((1, 2, 1), 0, True, 4),  # a stage of one rank has no stage communicator
+    ((8,), 0, False, 2),  # data parallel: default and its stage
+    ((2, 1), None, True, 2),  # an idle rank: default and pipeline
+    ((1,), 0, False, 0),  # one rank: no communicator at all
+])
+def test_a_rank_has_the_communicators_the_engine_makes_for_it(widths, group, pipelined, expected):
+    """Those of engine.groups.build_groups with two ranks or more (made at setup by engine.communicators)."""
+    assert nccl_communicators(widths, group, pipelined) == expected
+
+
+def test_a_real_gpus_rank_holds_its_communicators_buffers_beside_the_reserve(monkeypatch):
+    """Two stages of four GPUs: each rank's peak holds 4 communicators' buffers, 4 x 16 MiB, on top of the
+    0.5 GiB reserve; none on an emulated cluster (gloo) or where the user gave the whole reserve."""
+    from test_planner_fixtures import synthetic_profile
+
+    from testing.plans import hand_plan
+    from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.planner.cost.context import CostContext
+    from zorse_lightning.planner.cost.evaluate import stage_memory
+
+    for name in ("NCCL_BUFFSIZE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
+        monkeypatch.delenv(name, raising=False)
+    inventory = load_cluster("a100x4_v100x4")
+    profile = synthetic_profile(("a100x40", "v100x32"), num_layers=4, hidden=256, seq_len=64, vocab=1000)
+    plan = hand_plan([((0, 1, 2, 3), (1, 1, 1, 1), (0, 2)), ((4, 5, 6, 7), (1, 1, 1, 1), (2, 4))], inventory=inventory)
+    for index in (0, 1):
+        for used in stage_memory(CostContext.build(inventory, profile), plan, index, (0.25,) * 4):
+            assert (used.nccl_bytes, used.reserve_bytes) == (4 * 16 * MIB, 0.5 * 1024**3)
+        pinned = stage_memory(CostContext.build(inventory, profile, memory_reserve_gib=0.75), plan, index, (0.25,) * 4)
+        assert {(m.nccl_bytes, m.reserve_bytes) for m in pinned} == {(0.0, 0.75 * 1024**3)}
+    emulated = load_cluster("cpu_sim4")
+    one_stage = hand_plan([((0, 1, 2, 3), (1, 1, 1, 1), (0, 4))], inventory=emulated)
+    profile = synthetic_profile(("a100x40", "v100x16", "t4"), num_layers=4, hidden=256, seq_len=64, vocab=1000)
+    assert {m.nccl_bytes for m in stage_memory(CostContext.build(emulated, profile), one_stage, 0, (0.25,) * 4)} == {0.0}
