@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan
 
 
@@ -54,13 +55,26 @@ class Message:
 
 
 def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
-    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership."""
+    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership: to and from the
+    rank of the same TP index in the replica of the neighbouring stage that runs the microbatch (every rank of
+    a TP group holds the whole activation)."""
     last = len(plan.stages) - 1
     j, s = action.microbatch, action.stage
+    index = plan.stages[s].tensor_index(rank)
+
+    def peer(stage: int) -> int:
+        if plan.stages[stage].tensor_parallel != plan.stages[s].tensor_parallel:
+            raise PlanningError(
+                f"stages {min(s, stage)} and {max(s, stage)} have tensor_parallel {plan.stages[min(s, stage)].tensor_parallel} "
+                f"and {plan.stages[max(s, stage)].tensor_parallel}: pipelines run with one TP degree on every stage so "
+                f"far; give every stage the same tensor_parallel"
+            )
+        return plan.stages[stage].peer_of_microbatch(j, index)
+
     if action.kind is ActionKind.FORWARD:
-        recv = [Message(plan.stages[s - 1].rank_of_microbatch(j), rank, action.kind, j, s - 1)] if s > 0 else []
-        send = [Message(rank, plan.stages[s + 1].rank_of_microbatch(j), action.kind, j, s)] if s < last else []
+        recv = [Message(peer(s - 1), rank, action.kind, j, s - 1)] if s > 0 else []
+        send = [Message(rank, peer(s + 1), action.kind, j, s)] if s < last else []
     else:
-        recv = [Message(plan.stages[s + 1].rank_of_microbatch(j), rank, action.kind, j, s)] if s < last else []
-        send = [Message(rank, plan.stages[s - 1].rank_of_microbatch(j), action.kind, j, s - 1)] if s > 0 else []
+        recv = [Message(peer(s + 1), rank, action.kind, j, s)] if s < last else []
+        send = [Message(rank, peer(s - 1), action.kind, j, s - 1)] if s > 0 else []
     return recv, send

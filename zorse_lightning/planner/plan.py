@@ -12,6 +12,18 @@ plan). All chunks of a group agree in everything but their layers. Each stage pr
 spread over its ranks by ``microbatches_per_rank`` (uneven, by speed); microbatch
 ``j`` goes to the rank whose contiguous share contains ``j`` (see
 :meth:`StagePlan.rank_of_microbatch`).
+
+Tensor parallelism (``StagePlan.tensor_parallel`` = t > 1): the stage's ``ranks``
+are listed replica by replica, each run of t consecutive ranks one TP group (on
+one machine, of one GPU type) that holds one copy of the stage's layers, each
+block split over its t ranks. The ranks of a TP group run the same microbatches
+(``microbatches_per_rank`` repeats the replica's count for each of them), so a
+stage's microbatches are counted once per replica, and TP rank i of a replica
+exchanges activations with TP rank i of the next stage's replica
+(:meth:`StagePlan.peer_of_microbatch`).
+
+Format versions: 2 added ``tensor_parallel``; a version-1 file reads as a plan
+without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -31,7 +43,9 @@ from zorse_lightning.capabilities import (
 )
 from zorse_lightning.errors import PlanningError
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""Versions :meth:`Plan.from_dict` reads: each added fields with defaults that keep older plans' meaning."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class StagePlan:
     of the copies over its host link (:meth:`~zorse_lightning.planner.cost.context.CostContext.offload_copy_ms`). With
     ``recompute``, what recomputation keeps (each block's input) goes to host memory: the least device memory
     of all, at the price of both."""
+    tensor_parallel: int = 1
+    """Ranks of each TP group (1: no tensor parallelism): ``ranks`` lists the replicas one after the other,
+    each run of this many consecutive ranks one group that splits every block of the stage over its ranks."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding", Sharding(self.sharding))
@@ -65,14 +82,45 @@ class StagePlan:
 
     @property
     def num_microbatches(self) -> int:
-        return sum(self.microbatches_per_rank)
+        """Microbatches of the stage: each replica's once (its TP ranks repeat its count)."""
+        return sum(self.microbatches_per_rank[:: self.tensor_parallel])
+
+    @property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """The stage's TP groups in order (one rank each without tensor parallelism)."""
+        t = self.tensor_parallel
+        return tuple(self.ranks[i : i + t] for i in range(0, len(self.ranks), t))
+
+    @cached_property
+    def _position(self) -> dict[int, int]:
+        return {rank: index for index, rank in enumerate(self.ranks)}
+
+    def tensor_index(self, rank: int) -> int:
+        """``rank``'s place in its TP group (0 without tensor parallelism)."""
+        return self._position[rank] % self.tensor_parallel
+
+    def tensor_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s TP group (itself alone without tensor parallelism)."""
+        start = self._position[rank] // self.tensor_parallel * self.tensor_parallel
+        return self.ranks[start : start + self.tensor_parallel]
+
+    def data_ranks(self, tensor_index: int) -> tuple[int, ...]:
+        """The ranks of TP index ``tensor_index`` in every replica: they hold the same shard of every weight,
+        so its gradients are summed over them (all of the stage's ranks without tensor parallelism)."""
+        return self.ranks[tensor_index :: self.tensor_parallel]
+
+    def peer_of_microbatch(self, microbatch: int, tensor_index: int) -> int:
+        """The rank of TP index ``tensor_index`` in the replica that runs ``microbatch``."""
+        owner = self.rank_of_microbatch(microbatch)
+        return owner if tensor_index == 0 else self.ranks[self._position[owner] + tensor_index]
 
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
     def microbatch_ranges(self) -> dict[int, range]:
-        """Microbatch indices each rank of the stage processes (contiguous shares in rank order)."""
+        """Microbatch indices each rank of the stage processes (contiguous shares in replica order; the ranks
+        of a TP group share their replica's)."""
         return dict(self._ranges)
 
     @cached_property
@@ -80,14 +128,16 @@ class StagePlan:
         """Computed once per stage: schedules ask for every microbatch's rank (most of the recording time
         of a 1024-GPU plan's programs when rebuilt per call)."""
         ranges, start = {}, 0
-        for rank, count in zip(self.ranks, self.microbatches_per_rank):
-            ranges[rank] = range(start, start + count)
-            start += count
+        for index, (rank, count) in enumerate(zip(self.ranks, self.microbatches_per_rank)):
+            if index % self.tensor_parallel == 0:
+                share, start = range(start, start + count), start + count
+            ranges[rank] = share
         return ranges
 
     @cached_property
     def _rank_of(self) -> dict[int, int]:
-        return {j: rank for rank, share in self._ranges.items() for j in share}
+        """Microbatch -> the first rank of the replica that runs it."""
+        return {j: replica[0] for replica in self.replicas for j in self._ranges[replica[0]]}
 
     def rank_of_microbatch(self, microbatch: int) -> int:
         if microbatch not in self._rank_of:
@@ -95,7 +145,11 @@ class StagePlan:
         return self._rank_of[microbatch]
 
     def effective_shard_fractions(self) -> tuple[float, ...]:
-        return self.shard_fractions or tuple(1.0 / len(self.ranks) for _ in self.ranks)
+        """Each rank's share of the state sharded over its data-parallel group (its replicas' ranks of its TP
+        index): the fractions of one TP index's ranks sum to 1."""
+        if self.shard_fractions:
+            return self.shard_fractions
+        return tuple(1.0 / len(self.replicas) for _ in self.ranks)
 
     @property
     def activations_label(self) -> str:
@@ -109,6 +163,48 @@ class StagePlan:
         """The sharding level as reports print it: ``full/microbatch`` when gathered block by block
         per microbatch (``full`` alone: gathered once per step)."""
         return f"{self.sharding.value}/microbatch" if self.gather_per_microbatch else self.sharding.value
+
+
+
+def _whole_degree(stage: StagePlan) -> bool:
+    """Whether the stage's TP degree is a whole number >= 1 dividing its ranks (else nothing else can be read)."""
+    t = stage.tensor_parallel
+    return not isinstance(t, bool) and isinstance(t, int) and t >= 1 and len(stage.ranks) % t == 0
+
+
+def _tensor_parallel_problems(where: str, stage: StagePlan):
+    """A stage's TP groups: a whole degree dividing its ranks, each group on one machine, of one GPU type, its
+    ranks running the same microbatches (and holding the same share of sharded state)."""
+    t = stage.tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        yield f"{where}: tensor_parallel={t!r} must be a whole number >= 1 (1: no tensor parallelism)"
+        return
+    if len(stage.ranks) % t:
+        yield (
+            f"{where}: tensor_parallel={t} does not divide its {len(stage.ranks)} ranks {list(stage.ranks)}; list "
+            f"whole TP groups of {t} ranks, replica after replica, or choose a degree dividing {len(stage.ranks)}"
+        )
+        return
+    if t == 1 or len({len(stage.ranks), len(stage.machines), len(stage.gpu_types), len(stage.microbatches_per_rank)}) > 1:
+        return
+    per_rank = ("machines", stage.machines), ("gpu_types", stage.gpu_types), ("microbatches_per_rank", stage.microbatches_per_rank)
+    rules = {
+        "machines": "a TP group exchanges every block's activations, so it lives on one machine",
+        "gpu_types": "a TP group's ranks wait for each other at every block, so they are of one GPU type",
+        "microbatches_per_rank": "the ranks of a TP group run their replica's microbatches together",
+    }
+    if stage.shard_fractions and len(stage.shard_fractions) == len(stage.ranks):
+        per_rank += (("shard_fractions", stage.shard_fractions),)
+        rules["shard_fractions"] = "the ranks of a TP group hold the same share of their replica's sharded state"
+    for start in range(0, len(stage.ranks), t):
+        group = list(stage.ranks[start : start + t])
+        for name, values in per_rank:
+            mine = values[start : start + t]
+            if len(set(mine)) > 1:
+                yield (
+                    f"{where}: TP group {group} (tensor_parallel={t}) has {name} {list(mine)}: {rules[name]}; list ranks "
+                    f"replica by replica so that each run of {t} ranks shares its {name}, or lower tensor_parallel"
+                )
 
 
 @dataclass(frozen=True)
@@ -193,6 +289,10 @@ class Plan:
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stage {index}"
+            yield from _tensor_parallel_problems(where, stage)
+            if not _whole_degree(stage):
+                expected_start = stage.layers[1]
+                continue
             if not (len(stage.ranks) == len(stage.gpu_types) == len(stage.machines) == len(stage.microbatches_per_rank)):
                 yield f"{where}: ranks, gpu_types, machines and microbatches_per_rank differ in length"
             if stage.layers[0] != expected_start or stage.layers[1] <= stage.layers[0]:
@@ -208,9 +308,13 @@ class Plan:
             if stage.sharding not in SUPPORTED_SHARDING:
                 yield f"{where}: sharding {stage.sharding.value!r} is not supported yet (supported: {[s.value for s in SUPPORTED_SHARDING]})"
             if stage.shard_fractions and (
-                len(stage.shard_fractions) != len(stage.ranks) or abs(sum(stage.shard_fractions) - 1) > 1e-6
+                len(stage.shard_fractions) != len(stage.ranks)
+                or abs(sum(stage.shard_fractions[:: stage.tensor_parallel]) - 1) > 1e-6
             ):
-                yield f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1"
+                yield (
+                    f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1 "
+                    f"over the replicas (each TP rank repeats its replica's share)"
+                )
             if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
                 yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
             if stage.gather_per_microbatch and len(self.stages) > GATHER_PER_MICROBATCH_MAX_STAGES:
@@ -282,17 +386,27 @@ class Plan:
         return json.loads(json.dumps(data, default=lambda v: v.value))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
+    def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> Plan:
+        """A plan of any readable format version; ``source`` names where it came from (a file) in errors."""
         data = dict(data)
         version = data.pop("format_version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
-            raise PlanningError(f"plan format_version={version} is not {PLAN_FORMAT_VERSION}; re-run the planner")
+        if version not in READABLE_FORMAT_VERSIONS:
+            raise PlanningError(
+                f"{source} has format_version={version!r}, which this zorse_lightning does not read (it reads "
+                f"{list(READABLE_FORMAT_VERSIONS)}, writes {PLAN_FORMAT_VERSION}); re-run the planner, or upgrade "
+                f"zorse_lightning if the plan comes from a newer one"
+            )
+        _known_keys(cls, data, source, version, "")
+        for index, stage in enumerate(data["stages"]):
+            _known_keys(StagePlan, stage, source, version, f"stages[{index}].")
         data["stages"] = tuple(StagePlan(**s) for s in data["stages"])
         if data.get("predicted") is not None:
             predicted = dict(data["predicted"])
+            _known_keys(Prediction, predicted, source, version, "predicted.")
             predicted["memory_gib"] = tuple(predicted["memory_gib"])
             predicted["host_memory_gib"] = tuple(predicted.get("host_memory_gib", ()))
             data["predicted"] = Prediction(**predicted)
+        _known_keys(SolverRecord, data.get("solver", {}), source, version, "solver.")
         data["solver"] = SolverRecord(**data.get("solver", {}))
         return cls(**data)
 
@@ -300,12 +414,24 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "the plan") -> Plan:
+        return cls.from_dict(json.loads(text), source)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(Path(path).read_text())
+        return cls.from_json(Path(path).read_text(), source=f"plan file {str(path)!r}")
+
+
+def _known_keys(kind: type, data: dict[str, Any], source: str, version: int, prefix: str) -> None:
+    """Refuse a key ``kind`` does not have (a plan from a newer version, or a typo) by name: a plan read with a
+    field dropped would run something other than what it says."""
+    unknown = sorted(set(data) - set(kind.__dataclass_fields__))
+    if unknown:
+        raise PlanningError(
+            f"{source} (format_version={version}) has {', '.join(prefix + k for k in unknown)}, which plan format "
+            f"{PLAN_FORMAT_VERSION} does not know (its {kind.__name__} has {sorted(kind.__dataclass_fields__)}); "
+            f"correct the key, or upgrade zorse_lightning if the plan comes from a newer one"
+        )

@@ -65,7 +65,7 @@ def microbatch_order(plan: Plan) -> tuple[int, ...]:
     early instead of waiting for the first ranks' shares to drain (a narrow
     stage feeding a wide one would otherwise starve the wide stage's last ranks).
     """
-    widest = max(plan.stages, key=lambda stage: len(stage.ranks))
+    widest = max(plan.stages, key=lambda stage: len(stage.replicas))
     position: dict[int, float] = {}
     for microbatches in widest.microbatch_ranges().values():
         for offset, microbatch in enumerate(microbatches):
@@ -104,7 +104,7 @@ def one_f_one_b_limit(plan: Plan, group: int) -> int:
     with each later group counted ``ceil(w_h / w_g)`` times where widths differ
     (a narrow group feeding a wide one must give each of its ranks work).
     """
-    widths = tuple(len(stage.ranks) for stage in plan.rank_groups)
+    widths = tuple(len(stage.replicas) for stage in plan.rank_groups)
     if plan.interleave == 1:
         return one_f_one_b_warmup(widths, group) + 1
     feeds = [-(-width // widths[group]) for width in widths]

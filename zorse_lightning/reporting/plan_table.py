@@ -83,7 +83,7 @@ def plan_table(plan: Plan, ctx: CostContext) -> Table:
         layers = sum(plan.stages[s].num_layers for s in chunks)
         table.add_row(
             str(index) if plan.interleave == 1 else f"{index} ({','.join(map(str, chunks))})",
-            _ranks(stage.ranks),
+            _ranks(stage.ranks) + (f" (TP {stage.tensor_parallel})" if stage.tensor_parallel > 1 else ""),
             _grouped(list(stage.gpu_types)),
             f"{', '.join(_layers(plan.stages[s]) for s in chunks)} ({layers})",
             " ".join(map(str, stage.microbatches_per_rank)),

@@ -1,0 +1,114 @@
+"""The plan says tensor parallelism: TP groups listed replica by replica, validated, saved and read back; older
+plans still read; unknown keys refused by name; the schedule pairs TP ranks of neighbouring stages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.actions import Action, ActionKind, messages_of
+from zorse_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan, StagePlan
+from zorse_lightning.planner.schedule import build_schedule
+
+FIRST = StagePlan(
+    ranks=(0, 1, 2, 3), gpu_types=("a100x40",) * 2 + ("v100x16",) * 2, machines=("m0", "m0", "m1", "m1"),
+    layers=(0, 2), microbatches_per_rank=(3, 3, 1, 1), tensor_parallel=2,
+)
+SECOND = StagePlan(
+    ranks=(4, 5, 6, 7), gpu_types=("t4",) * 4, machines=("m2",) * 4, layers=(2, 4), microbatches_per_rank=(1, 1, 3, 3),
+    tensor_parallel=2,
+)
+
+
+def _plan(*stages: StagePlan, schedule: str = "1f1b") -> Plan:
+    world = sum(len(s.ranks) for s in stages)
+    return Plan("tiny", "hand", stages[-1].layers[1], world, 8, 2, schedule, stages)
+
+
+def test_replicas_share_their_microbatches():
+    assert FIRST.replicas == ((0, 1), (2, 3))
+    assert FIRST.num_microbatches == 4
+    assert FIRST.microbatch_ranges() == {0: range(0, 3), 1: range(0, 3), 2: range(3, 4), 3: range(3, 4)}
+    assert FIRST.tensor_group(3) == (2, 3) and FIRST.tensor_index(3) == 1
+    assert FIRST.data_ranks(1) == (1, 3)
+    assert FIRST.peer_of_microbatch(3, 1) == 3 and FIRST.rank_of_microbatch(3) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"machines": ("m0", "m1", "m1", "m1")}, ["TP group [0, 1]", "machines ['m0', 'm1']", "one machine"]),
+        ({"gpu_types": ("a100x40", "t4", "v100x16", "v100x16")}, ["gpu_types ['a100x40', 't4']", "one GPU type"]),
+        ({"microbatches_per_rank": (3, 2, 1, 2)}, ["microbatches_per_rank [3, 2]", "replica's microbatches"]),
+        ({"tensor_parallel": 3}, ["tensor_parallel=3 does not divide its 4 ranks", "choose a degree dividing 4"]),
+        ({"tensor_parallel": 0}, ["tensor_parallel=0 must be a whole number >= 1"]),
+    ],
+)
+def test_bad_tensor_parallel_groups_are_named(change, words):
+    with pytest.raises(PlanningError) as error:
+        _plan(replace(FIRST, **change))
+    for word in words:
+        assert word in str(error.value)
+    assert "layers cover" not in str(error.value)
+
+
+def test_round_trip_and_format_version(tmp_path):
+    plan = _plan(FIRST, SECOND)
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["format_version"] == PLAN_FORMAT_VERSION == 2
+    assert data["stages"][0]["tensor_parallel"] == 2
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_version_one_plans_read_without_tensor_parallelism():
+    data = _plan(replace(FIRST, tensor_parallel=1, microbatches_per_rank=(1, 1, 1, 1))).to_dict()
+    data["format_version"] = 1
+    del data["stages"][0]["tensor_parallel"]
+    assert Plan.from_dict(data).stages[0].tensor_parallel == 1
+
+
+def test_unknown_key_names_key_file_and_version(tmp_path):
+    data = _plan(FIRST, SECOND).to_dict()
+    data["stages"][1]["tensor_paralel"] = 2
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanningError) as error:
+        Plan.load(path)
+    for word in ("stages[1].tensor_paralel", str(path), "format_version=2", "plan format 2 does not know"):
+        assert word in str(error.value)
+
+
+def test_unreadable_version_names_the_file(tmp_path):
+    data = _plan(FIRST).to_dict()
+    data["format_version"] = 9
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanningError, match=r"new.json.*format_version=9.*reads \[1, 2\]"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_tensor_ranks_exchange_with_their_index(schedule):
+    plan = _plan(FIRST, SECOND, schedule=schedule)
+    built = build_schedule(plan)
+    for rank in range(8):
+        stage = plan.stages[plan.stage_of_rank(rank)]
+        group = stage.tensor_group(rank)
+        assert built.for_rank(rank) == built.for_rank(group[0]), "a TP group runs one program"
+        for action in built.for_rank(rank):
+            receives, sends = messages_of(plan, rank, action)
+            for message in (*receives, *sends):
+                other = message.dst if message.src == rank else message.src
+                assert plan.stages[plan.stage_of_rank(other)].tensor_index(other) == stage.tensor_index(rank)
+    assert messages_of(plan, 1, Action(0, ActionKind.FORWARD, 0))[1][0].dst == 5
+    assert messages_of(plan, 1, Action(0, ActionKind.FORWARD, 1))[1][0].dst == 7
+
+
+def test_mixed_degrees_between_stages_are_refused_by_the_schedule():
+    plan = _plan(FIRST, replace(SECOND, tensor_parallel=1, microbatches_per_rank=(1, 1, 1, 1)))
+    with pytest.raises(PlanningError, match="tensor_parallel 2 and 1.*same tensor_parallel"):
+        build_schedule(plan)
