@@ -47,7 +47,7 @@ def test_the_model_s_own_initialisation_is_applied_per_submodule():
     depth_scaled = 0.02 / (2 * SHAPE["layers"]) ** 0.5
     assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(depth_scaled, rel=0.2)
     assert torch.equal(model.blocks[0].ln1.weight, torch.ones(SHAPE["width"]))  # reset_parameters' defaults
-    assert torch.equal(model.blocks[0].attn.qkv.bias, torch.zeros(3 * SHAPE["width"]))
+    assert torch.equal(model.blocks[0].attn.q.bias, torch.zeros(SHAPE["width"]))
 
 
 def test_a_submodule_with_no_initialisation_is_refused_by_name():

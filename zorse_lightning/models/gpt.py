@@ -17,22 +17,38 @@ from zorse_lightning.models.next_token import NextTokenModel
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate query, key and value projections, reading its heads from the
+    width of what they return: split column-wise over a tensor-parallel group (:data:`GPT.tp_plan`), each rank
+    computes its own heads whole. (Until 2026-11-28 one fused ``qkv`` projection, whose column-wise split would
+    have mixed queries with keys; checkpoints with ``qkv`` still load, see :meth:`_load_from_state_dict`.)"""
+
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width={width} must be a multiple of heads={heads}")
         self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.head_width = width // heads
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, time, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        q, k, v = (p(x).view(batch, time, -1, self.head_width).transpose(1, 2) for p in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """A state dict of the fused ``qkv`` projection loads as its query, key and value thirds."""
+        for kind in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+            if fused is not None:
+                for name, part in zip("qkv", fused.chunk(3, dim=0)):
+                    state_dict[f"{prefix}{name}.{kind}"] = part
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Block(nn.Module):
@@ -49,6 +65,14 @@ class Block(nn.Module):
 
 
 class GPT(NextTokenModel):
+    tp_plan = {
+        "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+    }
+    """How a block splits over a tensor-parallel group (:mod:`zorse_lightning.module.tensor_parallel`), in
+    Hugging Face's notation: each rank computes some heads and some of the MLP's width whole, and the two
+    row-wise projections sum the group's parts (two all-reduces a block forward, two backward)."""
+
     def __init__(
         self,
         vocab_size: int = 256,
