@@ -49,7 +49,7 @@ def collectives(monkeypatch) -> list[torch.device]:
 
 def _idle_rank_groups() -> StageGroups:
     plan = hand_plan([((0, 1), (2, 2), (0, 4))], inventory=load_cluster("cpu_sim4"), idle_ranks=(2, 3))
-    return StageGroups(plan=plan, rank=3, stage_index=None, stage_group=None, shared_groups={})
+    return StageGroups(plan=plan, rank=3, stage_index=None, data_group=None, shared_groups={})
 
 
 def test_an_idle_rank_joins_the_clipping_norm_on_its_device(collectives):
@@ -108,7 +108,7 @@ def test_sharded_stage_sends_device_tensors_also_in_empty_rounds(owner_collectiv
     root = torch.nn.Sequential(torch.nn.Linear(4, 4, device=RANK_DEVICE), *blocks)
     plan = hand_plan([((0, 1), (3, 1), (0, 2))], inventory=load_cluster("cpu_sim2"), sharding=Sharding.FULL,
                      shard_fractions={0: (0.5, 0.5)}, gather_per_microbatch=True)
-    groups = StageGroups(plan=plan, rank=1, stage_index=0, stage_group=None, shared_groups={})
+    groups = StageGroups(plan=plan, rank=1, stage_index=0, data_group=None, shared_groups={})
     params = list(root.parameters())
     shards = StageShards(module_groups(root, params), groups, RANK_DEVICE)
     gathering = BlockGathering(blocks, block_units(root, blocks, params), shards)

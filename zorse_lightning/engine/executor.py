@@ -39,6 +39,8 @@ from zorse_lightning.planner.schedule import build_schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
 from zorse_lightning.engine.sharding import placeholders, restrict_optimizer
 from zorse_lightning.engine.stage_state import ShardedStage
+from zorse_lightning.engine import tensor_parallel
+from zorse_lightning.module.tensor_parallel import BlockTensorPlan, Style, require_block_plan
 
 StepFn = Callable[[Any, int], Any]
 
@@ -72,11 +74,15 @@ class PipelineEngine:
         gradient_bucket_bytes: int = gradients.BUCKET_BYTES,
         initial: InitialValues = InitialValues(),
         host_group: Any = None,
+        tp_plan: dict[str, Style] | None = None,
     ):
         """``initial``: the first values of what this rank places on ``device`` where the module was built on
         the meta device (or the state a resumed checkpoint holds). ``host_group``: a gloo group over all ranks
-        for the small host tensors of the step (None: the default group, where it is gloo)."""
+        for the small host tensors of the step (None: the default group, where it is gloo). ``tp_plan``: how a
+        block splits over a TP group where the plan asks for one (None: the module's own,
+        :mod:`zorse_lightning.module.tensor_parallel`)."""
         self.module = module
+        self.tp_plan = tp_plan
         self.initial = initial
         self.gradient_bucket_bytes = gradient_bucket_bytes
         self.groups = groups
@@ -122,8 +128,12 @@ class PipelineEngine:
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
         blocks = None
-        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations:
+        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or self._splits:
             blocks = find_block_list(self.module, self.block_path)
+        split = None
+        if self._splits:
+            tensor_parallel.check_stage(self.plan, self.groups.stage_index)
+            split = require_block_plan(self.module, blocks, self.groups.stage.tensor_parallel, self.tp_plan)
         if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
             self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
             for index, block in enumerate(blocks.blocks):
@@ -146,7 +156,7 @@ class PipelineEngine:
                 self.sharded = ShardedStage(
                     self.module, self.local_parameters(), self.groups, self.device, blocks.blocks if blocks else None
                 )
-            self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set())
+            self._place_stage(self.sharded.never_placed(self.local_parameters()) if self.sharded else set(), blocks, split)
             if self.sharded:
                 self.sharded.placed(self.local_parameters())
         _, shared = self._own_and_shared()
@@ -172,20 +182,60 @@ class PipelineEngine:
     def _gathers_per_microbatch(self) -> bool:
         return not self.groups.is_idle and self.groups.stage.gather_per_microbatch
 
-    def _place_stage(self, received_only: set[int]) -> None:
-        """``received_only``: ids of local parameters this rank only ever receives from their owner (no memory)."""
+    @property
+    def _splits(self) -> bool:
+        """Whether this rank's stage splits its blocks over TP groups."""
+        return not self.groups.is_idle and self.groups.stage.tensor_parallel > 1
+
+    def _place_stage(self, received_only: set[int], blocks: BlockList | None, split: BlockTensorPlan | None = None) -> None:
+        """``received_only``: ids of local parameters this rank only ever receives from their owner (no memory).
+        ``split``: the blocks' TP plan where the stage has one: each block is placed, then split over the TP
+        group, before the next is placed (a rank never holds its stage's blocks whole)."""
 
         def wanted(name: str, tensor: torch.Tensor) -> bool:
             if isinstance(tensor, nn.Parameter):
                 return self.groups.stage_index in self._holders.get(id(tensor), ())
             return self.cut is None or self.cut.holds_buffers_of(name)
 
-        swaps = placeholders(self.module, received_only, self.device)
-        swaps += place_on_device(self.module, self.device, wanted, self.initial)
-        for swap in swaps:
-            if swap.is_parameter and id(swap.old) in self._holders:
-                self._holders[id(swap.new)] = self._holders.pop(id(swap.old))
-                self._replaced[id(swap.old)] = swap.new
+        for swap in placeholders(self.module, received_only, self.device):
+            self._adopt(swap)
+        if split is not None:
+            mesh = tensor_parallel.mesh_of(self.groups.tensor_group, self.device)
+            for index in self._local_blocks():
+                prefix = f"{blocks.path}.{index}"
+
+                def in_block(name: str, tensor: torch.Tensor, prefix=prefix) -> bool:
+                    return (name == prefix or name.startswith(prefix + ".")) and wanted(name, tensor)
+
+                for swap in place_on_device(self.module, self.device, in_block, self.initial):
+                    self._adopt(swap)
+                for old, new in tensor_parallel.parallelize_block(blocks.blocks[index], split, mesh):
+                    self._adopt_parameter(old, new)
+        for swap in place_on_device(self.module, self.device, wanted, self.initial):
+            self._adopt(swap)
+
+    def _local_blocks(self) -> list[int]:
+        """Indices of the blocks this rank's stages hold (all of them in a plan of one stage)."""
+        return [i for s in self.plan.stages_of_group(self.groups.stage_index) for i in range(*self.plan.stages[s].layers)]
+
+    def _adopt(self, swap) -> None:
+        if swap.is_parameter:
+            self._adopt_parameter(swap.old, swap.new)
+
+    def _adopt_parameter(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """``new`` replaced ``old`` in the module: it has its holders, and an optimizer made before
+        :meth:`prepare` that names ``old`` (or what ``old`` replaced) gets ``new``."""
+        if id(old) not in self._holders:
+            return
+        self._holders[id(new)] = self._holders.pop(id(old))
+        self._replaced[id(old)] = new
+
+    def _current(self, param: nn.Parameter) -> nn.Parameter:
+        """The parameter that now stands where ``param`` stood (replaced on the device, then split over a TP
+        group: each replacement is kept alive by the map, so no id in the chain is reused)."""
+        while id(param) in self._replaced:
+            param = self._replaced[id(param)]
+        return param
 
     def _whole_fits_probe(self) -> bool:
         """Whether the probe may run the whole module: already real on this device (an eager module on a CPU
@@ -234,7 +284,7 @@ class PipelineEngine:
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep in ``optimizer`` only what this rank steps: its stage's weights, or its shard of them."""
         for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [self._current(p) for p in group["params"]]
         restrict_optimizer(optimizer, self.sharded.stepped if self.sharded else self.local_parameters())
 
     # -- one step -----------------------------------------------------------------------
@@ -298,7 +348,8 @@ class PipelineEngine:
                         outputs[j] = output
                     if train or _holds_loss(output):
                         loss = loss_of(output)
-                        loss_sum += loss.detach().float() * weight
+                        if self.groups.tensor_index == 0:  # every rank of a TP group computes the same loss
+                            loss_sum += loss.detach().float() * weight
                         output = loss * (weight * loss_scale)
                 if train:
                     saved[(action.stage, j)] = (received, output)

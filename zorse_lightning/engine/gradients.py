@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.engine.groups import StageGroups
+from zorse_lightning.engine.tensor_parallel import as_gradient, is_split, local
 
 
 def _sorted_sets(sets) -> list[frozenset[int]]:
@@ -70,7 +71,7 @@ class _Bucket:
     params: tuple[nn.Parameter, ...]
     flat: torch.Tensor
     views: tuple[torch.Tensor, ...]
-    """Each parameter's gradient as a view into ``flat``."""
+    """Each parameter's gradient (this rank's part of a split one) as a view into ``flat``."""
 
     def adopt_gradients(self) -> None:
         """Make every gradient its view into the buffer, keeping its value: copied in where autograd made a new
@@ -79,15 +80,15 @@ class _Bucket:
         if all(param.grad is None for param in self.params):
             self.flat.zero_()
             for param, view in zip(self.params, self.views):
-                param.grad = view
+                param.grad = as_gradient(param, view)
             return
         for param, view in zip(self.params, self.views):
             grad = param.grad
             if grad is None:
                 view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-            param.grad = view
+            elif local(grad).data_ptr() != view.data_ptr():
+                view.copy_(local(grad))
+            param.grad = as_gradient(param, view)
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device) -> list[_Bucket]:
@@ -96,7 +97,7 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device
     chunks: list[list[nn.Parameter]] = []
     size = bucket_bytes
     for param in reversed(params):
-        nbytes = param.numel() * param.element_size()
+        nbytes = local(param).numel() * param.element_size()
         if not chunks or (size + nbytes > bucket_bytes and size > 0) or chunks[-1][-1].dtype != param.dtype:
             chunks.append([])
             size = 0
@@ -104,18 +105,18 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device
         size += nbytes
     totals: dict[torch.dtype, int] = defaultdict(int)
     for chunk in chunks:
-        totals[chunk[0].dtype] += sum(p.numel() for p in chunk)
+        totals[chunk[0].dtype] += sum(local(p).numel() for p in chunk)
     buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in totals.items()}
     offsets: dict[torch.dtype, int] = defaultdict(int)
     buckets = []
     for chunk in chunks:
         dtype = chunk[0].dtype
         start = offsets[dtype]
-        flat = buffers[dtype][start : start + sum(p.numel() for p in chunk)]
+        flat = buffers[dtype][start : start + sum(local(p).numel() for p in chunk)]
         views, at = [], 0
         for param in chunk:
-            views.append(flat[at : at + param.numel()].view_as(param))
-            at += param.numel()
+            views.append(flat[at : at + local(param).numel()].view_as(local(param)))
+            at += local(param).numel()
         offsets[dtype] = start + flat.numel()
         buckets.append(_Bucket(tuple(chunk), flat, tuple(views)))
     return buckets
@@ -148,7 +149,7 @@ class OverlappedReduction:
         by_holders = _by_holders(params)
         own = frozenset({groups.stage_index})
         self.shared = [(holders, by_holders[holders]) for holders in _sorted_sets(by_holders) if holders != own]
-        alone = groups.is_idle or len(groups.stage_ranks) == 1
+        alone = groups.is_idle or len(groups.data_ranks) == 1
         own_params = [] if alone else by_holders.get(own, [])
         place = device if device is not None else (own_params[0].device if own_params else torch.device("cpu"))
         self.buckets: list[_Bucket] = _buckets(own_params, bucket_bytes, place) if own_params else []
@@ -201,7 +202,7 @@ class OverlappedReduction:
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.adopt_gradients()
-        group = self.groups.call(self.groups.stage_group, "the stage's gradient reduction")
+        group = self.groups.call(self.groups.data_group, "the stage's gradient reduction")
         self._in_flight.append(dist.all_reduce(bucket.flat, group=group, async_op=True))
 
     def _disarm(self) -> None:
@@ -237,18 +238,24 @@ def clip_global_norm_(
     """Scale gradients so that their norm over all stages is at most ``max_norm``; returns the norm.
 
     Gradients are already reduced, so each weight is counted once, on the first
-    stage that holds it: by the stage's first rank (reduced gradients are equal
-    on every rank of a stage), or by the rank ``counts`` accepts (the owner,
-    where gradients were summed into owners only). The sum of squares is one
+    stage that holds it: by the first rank of the rank's data-parallel group
+    (reduced gradients are equal on all of them), or by the rank ``counts``
+    accepts (the owner, where gradients were summed into owners only); under
+    TP, a weight split over the TP group by that rank of every TP index (each
+    counts its slice), a weight every TP rank holds whole by TP index 0 alone.
+    Norms read each rank's local slice (a DTensor's own norm would
+    communicate). The sum of squares is one
     all-reduce, a tensor on ``device``, the rank's own, also on a rank that holds
     no weight (idle): NCCL refuses a host tensor. Norms and scaling are foreach
     kernels (one launch per dtype), as ``torch.nn.utils.clip_grad_norm_``'s; nothing waits on the host.
     """
-    first_rank = not groups.is_idle and groups.rank == groups.stage_ranks[0]  # idle: only joins the sum
+    first_rank = not groups.is_idle and groups.rank == groups.data_ranks[0]  # idle: only joins the sum
+    index = 0 if groups.is_idle else groups.tensor_index
     counted = [
-        p.grad.detach()
+        local(p.grad).detach()
         for p, holders in params
         if (counts(p) if counts is not None else first_rank) and min(holders) == groups.stage_index and p.grad is not None
+        and (index == 0 or is_split(p))
     ]
     squares = [
         torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum() for grads in _by_dtype(counted)
@@ -258,6 +265,6 @@ def clip_global_norm_(
         dist.all_reduce(square, group=groups.call(None, "the gradient norm"))
     total = square.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grads in _by_dtype([p.grad.detach() for p, _ in params if p.grad is not None]):
+    for grads in _by_dtype([local(p.grad).detach() for p, _ in params if p.grad is not None]):
         torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
     return total

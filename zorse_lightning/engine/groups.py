@@ -1,4 +1,5 @@
-"""Process groups of a plan: each stage's group, the groups of weights shared by stages.
+"""Process groups of a plan: each stage's group, the groups of weights shared by stages, and under tensor
+parallelism (TP) each TP group and each TP index's data-parallel group.
 
 ``torch.distributed.new_group`` must be called by every rank, in the same order,
 for every group, including groups the rank is not in; :func:`build_groups` does
@@ -10,6 +11,12 @@ Idle ranks (``Plan.idle_ranks``) are in no group of the plan: they take part onl
 in the collectives every rank makes over the whole world (the loss, the log
 replay, the global gradient norm, checkpoint agreement), so a stage's reductions
 never wait on a rank that holds none of its weights.
+
+A stage with TP degree t > 1 has no stage-wide group: its ranks sum gradients
+with the replicas' ranks of their own TP index (which hold the same slices; over
+the whole stage a replicated weight would be summed t times), and a weight
+shared by stages (a tied embedding) likewise per TP index. Its TP groups are
+made after every data-parallel group, in the stages' and replicas' order.
 """
 
 from __future__ import annotations
@@ -62,10 +69,12 @@ class StageGroups:
     stage_index: int | None
     """The rank's group of ranks, which is also its first stage (interleaved plans give each group
     several stages: :attr:`stages`); None on an idle rank (in no stage)."""
-    stage_group: dist.ProcessGroup | None
-    """All ranks of this rank's stage: data-parallel reductions and optimizer shards (None when idle)."""
+    data_group: dist.ProcessGroup | None
+    """The ranks this rank sums its stage's gradients with and shards optimizer state over: all of its stage's,
+    or under TP the replicas' ranks of its TP index (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
-    """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all)."""
+    """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all); under TP
+    their ranks of this rank's TP index."""
     pipeline_group: dist.ProcessGroup | None = None
     """All ranks, for the point-to-point messages between stages alone (None without stages to pass
     between), as Megatron-LM keeps a pipeline group: under NCCL batched messages run on the group's own
@@ -77,6 +86,8 @@ class StageGroups:
     communicators in."""
     lazy: LazyCommunicators | None = None
     """NCCL's lazy communicators kept on gloo in the rules mode (None: not modelled)."""
+    tensor_group: dist.ProcessGroup | None = None
+    """The ranks of this rank's TP group (None without tensor parallelism)."""
 
     def call(self, group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup | None:
         """``group``, for the collective ``what`` this rank is about to issue on it: in the rules mode, a group's
@@ -101,10 +112,26 @@ class StageGroups:
     def stage_ranks(self) -> tuple[int, ...]:
         return self.stage.ranks
 
+    @property
+    def tensor_index(self) -> int:
+        """This rank's place in its TP group (0 without tensor parallelism)."""
+        return self.stage.tensor_index(self.rank)
+
+    @property
+    def data_ranks(self) -> tuple[int, ...]:
+        """The ranks of :attr:`data_group`, in stage order."""
+        return self.stage.data_ranks(self.tensor_index)
+
+    @property
+    def data_shard_fractions(self) -> tuple[float, ...]:
+        """Each of :attr:`data_ranks`' share of the state sharded over them (summing to 1)."""
+        return self.stage.effective_shard_fractions()[self.tensor_index :: self.stage.tensor_parallel]
+
     def group_for_stages(self, stages: frozenset[int]) -> dist.ProcessGroup:
-        """The group of all ranks of ``stages`` (which must include this rank's stage)."""
+        """The group of all ranks of ``stages`` (which must include this rank's stage; under TP, those of
+        this rank's TP index)."""
         if stages == frozenset({self.stage_index}):
-            return self.stage_group
+            return self.data_group
         return self.shared_groups[stages]
 
 
@@ -128,6 +155,13 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
             f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
             f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
         )
+    degrees = sorted({stage.tensor_parallel for stage in plan.stages})
+    if len(degrees) > 1:
+        raise RuntimeError(
+            f"the plan's stages have tensor_parallel {degrees}; the engine runs one TP degree on every stage so far: "
+            f"give every stage the same tensor_parallel"
+        )
+    t = degrees[0]
     in_order = [(tuple(range(plan.world_size)), dist.group.WORLD)]
 
     def made(ranks) -> dist.ProcessGroup | None:
@@ -135,11 +169,27 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
         in_order.append((tuple(ranks), group if rank in ranks else None))
         return group
 
-    stage_groups = [made(stage.ranks) for stage in plan.rank_groups]
-    shared = {stages: made(sorted(r for s in stages for r in plan.stages[s].ranks)) for stages in shared_stage_sets(plan)}
+    def mine(by_index: list[dist.ProcessGroup], ranks_of) -> dist.ProcessGroup | None:
+        """Of one group per TP index, this rank's (None where it is in none)."""
+        return next((g for i, g in enumerate(by_index) if rank in ranks_of(i)), None)
+
+    data_groups = [
+        mine([made(stage.data_ranks(i)) for i in range(t)], stage.data_ranks) for stage in plan.rank_groups
+    ]
+    shared = {}
+    for stages in shared_stage_sets(plan):
+        def ranks_of(i: int, stages=stages) -> list[int]:
+            return sorted(r for s in stages for r in plan.stages[s].data_ranks(i))
+
+        shared[stages] = mine([made(ranks_of(i)) for i in range(t)], ranks_of)
     pipeline = made(range(plan.world_size)) if len(plan.stages) > 1 else None
+    tensor_groups = {replica: made(replica) for stage in plan.rank_groups for replica in stage.replicas} if t > 1 else {}
     lazy = LazyCommunicators()
     if rank in plan.idle_ranks:
         return StageGroups(plan, rank, None, None, {}, pipeline, tuple(in_order), lazy)
     stage_index = plan.stage_of_rank(rank)
-    return StageGroups(plan, rank, stage_index, stage_groups[stage_index], shared, pipeline, tuple(in_order), lazy)
+    tensor_group = tensor_groups.get(plan.stages[stage_index].tensor_group(rank))
+    shared = {stages: group for stages, group in shared.items() if group is not None}
+    return StageGroups(
+        plan, rank, stage_index, data_groups[stage_index], shared, pipeline, tuple(in_order), lazy, tensor_group
+    )

@@ -12,7 +12,8 @@ share contains their middle, so each rank's shard approaches its
 What each level keeps and moves (``StagePlan.sharding``):
 
 * ``optimizer``: every rank holds weights and gradients; gradients are summed
-  over the stage, each owner steps its parameters, the new values reach the
+  over the stage (under tensor parallelism: over its ranks of one TP index, each
+  weight a local slice, :mod:`.tensor_parallel`), each owner steps its parameters, the new values reach the
   stage in one all-reduce of the weights (:meth:`StageShards.gather_updates`).
 * ``optimizer_gradients``: gradients are summed into their owner only
   (:meth:`StageShards.reduce_to_owners`, one reduce per owner), other ranks
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zorse_lightning.engine.groups import StageGroups
+from zorse_lightning.engine.tensor_parallel import local
 from zorse_lightning.module.materialize import FREED_SHAPE, Swap, replace_parameters
 
 
@@ -159,12 +161,12 @@ class StageShards:
         self.groups = groups
         self.device = device
         owners = assign_shards(
-            [sum(true_numel(p) for p in group) for group in groups_of_params], groups.stage.effective_shard_fractions()
+            [sum(true_numel(p) for p in group) for group in groups_of_params], groups.data_shard_fractions
         )
-        self.owned_by: dict[int, list[nn.Parameter]] = {rank: [] for rank in groups.stage_ranks}
+        self.owned_by: dict[int, list[nn.Parameter]] = {rank: [] for rank in groups.data_ranks}
         self._owner: dict[int, int] = {}
         for params, owner in zip(groups_of_params, owners):
-            rank = groups.stage_ranks[owner]
+            rank = groups.data_ranks[owner]
             self.owned_by[rank].extend(params)
             self._owner.update((id(p), rank) for p in params)
 
@@ -197,7 +199,7 @@ class StageShards:
         """
         for owner, owned in self._by_owner(params):
             flat = torch.cat([self._gradient_or_zeros(p).reshape(-1) for p in owned])
-            dist.reduce(flat, dst=owner, group=self.groups.call(self.groups.stage_group, "the sharded gradients' reduction"))
+            dist.reduce(flat, dst=owner, group=self.groups.call(self.groups.data_group, "the sharded gradients' reduction"))
             offset = 0
             for param in owned:
                 numel = true_numel(param)
@@ -223,7 +225,7 @@ class StageShards:
                 flat = torch.cat([p.detach().reshape(-1) for p in owned])
             else:
                 flat = torch.empty(sum(true_numel(p) for p in owned), dtype=owned[0].dtype, device=self.device)
-            work = dist.broadcast(flat, src=owner, group=self.groups.call(self.groups.stage_group, "the shards' broadcast"), async_op=True)
+            work = dist.broadcast(flat, src=owner, group=self.groups.call(self.groups.data_group, "the shards' broadcast"), async_op=True)
             started.append(Broadcast(owner, owned, flat, work))
         return started
 
@@ -261,19 +263,21 @@ class StageShards:
         everything = [p for params in self.owned_by.values() for p in params]
         if len(self.owned_by) == 1 or not everything:
             return
-        flat = torch.zeros(sum(p.numel() for p in everything), dtype=everything[0].dtype, device=everything[0].device)
+        flat = torch.zeros(sum(local(p).numel() for p in everything), dtype=everything[0].dtype, device=self.device)
         offset = 0
         for rank, params in self.owned_by.items():
             for param in params:
+                mine = local(param)
                 if rank == self.groups.rank:
-                    flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+                    flat[offset : offset + mine.numel()].copy_(mine.detach().reshape(-1))
                 else:
                     param.grad = None
-                offset += param.numel()
-        dist.all_reduce(flat, group=self.groups.call(self.groups.stage_group, "the stage's gradient reduction"))
+                offset += mine.numel()
+        dist.all_reduce(flat, group=self.groups.call(self.groups.data_group, "the stage's gradient reduction"))
         offset = 0
         for rank, params in self.owned_by.items():
             for param in params:
+                mine = local(param)
                 if rank != self.groups.rank:
-                    param.copy_(flat[offset : offset + param.numel()].view_as(param))
-                offset += param.numel()
+                    mine.copy_(flat[offset : offset + mine.numel()].view_as(mine))
+                offset += mine.numel()

@@ -102,8 +102,8 @@ class ManualOptimization:
         for param in params:
             param.grad = None
         self.precision_plugin.backward(loss * self.weight, self.module, None, *args, **kwargs)
-        if len(self.engine.groups.stage_ranks) > 1:
-            _sum_over_stage(params, self.engine.groups.stage_group)
+        if len(self.engine.groups.data_ranks) > 1:
+            _sum_over_stage(params, self.engine.groups.data_group)
         for param, grad in zip(params, earlier):
             if grad is not None:
                 param.grad = grad if param.grad is None else param.grad + grad

@@ -1,0 +1,203 @@
+"""Tensor parallelism runs exactly: after N steps every rank's slice of every weight equals single-process training.
+
+Four gloo processes start once and run every case (under the rules mode the tests set, NCCL's lazy
+communicators included): the project's GPT, Hugging Face Llama and Qwen2 from tiny configs (never downloaded),
+at TP 2 alone, TP 2 x 2 pipeline stages, and TP 2 x data parallel 2 with uneven microbatch shares, with
+global-norm clipping and optimizer-state sharding. Each rank trains the single-process reference itself and
+compares its local slice of each split weight (and each weight it holds whole) with it, and the losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from testing.launch import spawn_ranks
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.engine.executor import PipelineEngine
+from zorse_lightning.engine.groups import build_groups
+from zorse_lightning.engine.host_group import broadcast_module
+from zorse_lightning.models.gpt import GPT
+from zorse_lightning.planner.plan import Plan, StagePlan
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+STEPS = 3
+MICROBATCH = 2
+SEQ, VOCAB = 8, 64
+BUCKET_BYTES = 8 * 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    stages: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]], ...]
+    """(ranks replica by replica, microbatches per rank, layers) per stage, all at TP 2."""
+    idle: tuple[int, ...] = ()
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    sharding: Sharding = Sharding.NONE
+    clip: float | None = None
+
+
+CASES = [
+    Case("gpt_tp2_alone", "gpt", (((0, 1), (4, 4), (0, 4)),), idle=(2, 3), clip=0.05),
+    Case("gpt_tp2_two_stages", "gpt", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), clip=0.05),
+    Case("gpt_tp2_dp2_uneven", "gpt", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
+    Case(
+        "gpt_tp2_dp2_uneven_optimizer_sharded", "gpt", (((0, 1, 2, 3), (1, 1, 3, 3), (0, 4)),),
+        sharding=Sharding.OPTIMIZER, clip=0.05,
+    ),
+    Case("llama_tp2_two_stages_gpipe", "llama", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), schedule=Schedule.GPIPE),
+    Case("qwen2_tp2_dp2_uneven", "qwen2", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
+    Case("llama_tp2_alone", "llama", (((2, 3), (4, 4), (0, 4)),), idle=(0, 1)),
+]
+
+
+def _plan(case: Case) -> Plan:
+    stages = tuple(
+        StagePlan(
+            ranks=ranks, gpu_types=("cpu",) * len(ranks), machines=("localhost",) * len(ranks), layers=layers,
+            microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=2,
+        )
+        for ranks, counts, layers in case.stages
+    )
+    microbatches = stages[0].num_microbatches
+    return Plan(
+        "test", "test", 4, WORLD, microbatches * MICROBATCH, MICROBATCH, case.schedule, stages, idle_ranks=case.idle
+    )
+
+
+class HuggingFace(nn.Module):
+    """A user's module around a Hugging Face causal LM from a small config."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[kind])(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ,
+        )
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
+def _model(case: Case) -> nn.Module:
+    torch.manual_seed(0)
+    if case.model == "gpt":
+        return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=1e-2)
+    return HuggingFace(case.model)
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _batches(count: int, size: int):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (count, size, SEQ + 1), generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _reference(case: Case, batches):
+    model = _model(case)
+    optimizer = _optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        loss = model._loss(batches[step])
+        loss.backward()
+        losses.append(loss.item())
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def _my_part(param: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's values, the reference's values of the same elements)."""
+    if not isinstance(param, DTensor):
+        return param.detach(), expected
+    index = param.device_mesh.get_local_rank()
+    for placement in param.placements:
+        if isinstance(placement, Shard):
+            expected = expected.chunk(param.device_mesh.size(), dim=placement.dim)[index]
+    return param.to_local().detach(), expected
+
+
+def _run_case(rank: int, case: Case) -> dict:
+    plan = _plan(case)
+    batches = _batches(STEPS, plan.global_batch_size)
+    model = _model(case)
+    broadcast_module(model)
+    groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
+    engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES)
+    share = groups.stage.microbatch_ranges()[rank] if not groups.is_idle else range(0)
+    rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
+    local = lambda batch: (batch[0][rows], batch[1][rows])
+    step_fn = lambda micro, j: model._loss(micro)
+    engine.prepare(local(batches[0]), step_fn)
+    optimizer = _optimizer(model)
+    engine.setup_optimizer(optimizer)
+    losses = []
+    for step in range(STEPS):
+        losses.append(engine.run(local(batches[step]), step_fn, reduce_in_backward=True).item())
+        engine.reduce_gradients()
+        if case.clip:
+            engine.clip_grad_norm_(case.clip)
+        optimizer.step()
+        engine.after_optimizer_step()
+        optimizer.zero_grad()
+    expected, expected_losses = _reference(case, batches)
+    local_ids = {id(p) for p in engine.local_parameters()}
+    diffs = {}
+    for name, param in model.named_parameters():
+        if id(param) in local_ids:
+            mine, theirs = _my_part(param, expected[name])
+            diffs[name] = (mine - theirs).abs().max().item()
+    return {
+        "max_param_diff": max(diffs.values(), default=0.0),
+        "worst": max(diffs, key=diffs.get, default=""),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
+        "split": sorted(n for n, p in model.named_parameters() if id(p) in local_ids and isinstance(p, DTensor)),
+        "compared": len(diffs),
+    }
+
+
+def _worker(rank: int, out_dir: Path) -> dict:
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        return {case.name: _run_case(rank, case) for case in CASES}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("tensor_parallel"))
+
+
+@pytest.mark.parametrize("case", [c.name for c in CASES])
+def test_slices_and_losses_match_single_process(results, case):
+    plan = _plan(next(c for c in CASES if c.name == case))
+    for rank, per_rank in enumerate(results):
+        run = per_rank[case]
+        if rank in plan.idle_ranks:
+            assert run["compared"] == 0
+            continue
+        assert run["compared"] > 0 and run["split"], (rank, run)
+        assert run["max_param_diff"] < 1e-5, (rank, run)
+        assert run["loss_diff"] < 1e-5, (rank, run)

@@ -1,0 +1,88 @@
+"""A stage's blocks split over its TP groups, and the engine's view of what that makes of their weights.
+
+After the stage is materialized (every rank of a TP group holds identical
+values), each block is split with ``parallelize_module`` on a one-dimensional
+mesh over the rank's TP group (``DeviceMesh.from_group``: no new communicator,
+the group is one :func:`~.groups.build_groups` made and setup warmed), slicing
+each rank's own full copy without communication (``src_data_rank=None``). The
+split weights become DTensors: column-wise ``Shard(0)``, row-wise ``Shard(1)``,
+a row-wise bias ``Replicate``. Everything the engine does to weights outside
+autograd (flat gradient buckets, the global norm, shard updates) reads their
+local tensors (:func:`local`): a DTensor's own ops would communicate, and
+reshaping a ``Shard(1)`` one silently all-gathers it. A gradient given to a
+DTensor weight must be a DTensor too (a plain one is accepted and wrong):
+:func:`as_gradient` wraps a view of a flat bucket without copying, and autograd
+accumulates into it in place.
+
+What combines with TP so far (:func:`check_stage`): sharding ``none`` and
+``optimizer`` (shards over the replicas' ranks of one TP index hold local
+slices), recomputation; one TP degree on every stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.module.tensor_parallel import BlockTensorPlan
+from zorse_lightning.planner.plan import Plan
+
+TP_SHARDING = (Sharding.NONE, Sharding.OPTIMIZER)
+"""Sharding levels a stage with TP runs (the others move whole parameters between owners, not local slices)."""
+
+
+def check_stage(plan: Plan, stage_index: int) -> None:
+    """Refuse what the engine does not run with TP yet, naming the value and what to choose instead."""
+    stage = plan.stages[stage_index]
+    if stage.tensor_parallel == 1:
+        return
+    where = f"stage {stage_index} (tensor_parallel={stage.tensor_parallel})"
+    if stage.sharding not in TP_SHARDING:
+        raise PlanningError(
+            f"{where} has sharding {stage.sharding.value!r}, which does not run with tensor parallelism yet (it moves "
+            f"whole parameters between owners); use one of {[s.value for s in TP_SHARDING]} or tensor_parallel=1"
+        )
+    if stage.offload_activations:
+        raise PlanningError(
+            f"{where} offloads activations, which does not run with tensor parallelism yet; set offload_activations "
+            f"false (recompute keeps less instead) or tensor_parallel=1"
+        )
+    if stage.gather_per_microbatch:
+        raise PlanningError(f"{where} gathers per microbatch, which needs sharding 'full'; set gather_per_microbatch false")
+
+
+def mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """A one-dimensional mesh over the TP group (the engine's own group: no new communicator)."""
+    return DeviceMesh.from_group(group, device.type)
+
+
+def parallelize_block(block: nn.Module, plan: BlockTensorPlan, mesh: DeviceMesh) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """Split ``block`` over ``mesh`` by ``plan``; returns (old, new) for each parameter it replaced."""
+    before = {(name, key): param for name, module in block.named_modules() for key, param in module._parameters.items()}
+    parallelize_module(block, mesh, plan.torch_plan(), src_data_rank=None)
+    after = {(name, key): param for name, module in block.named_modules() for key, param in module._parameters.items()}
+    return [(before[slot], new) for slot, new in after.items() if before.get(slot) is not None and before[slot] is not new]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a split weight or gradient (the tensor itself when not split): what the engine's
+    buckets, norms and shard updates read and write, outside autograd."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Whether each rank of the TP group holds a different slice of ``param`` (else every rank holds it whole)."""
+    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+
+
+def as_gradient(param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's part, a view into a flat buffer) as ``param``'s gradient, without a copy."""
+    if not isinstance(param, DTensor):
+        return values
+    return DTensor.from_local(values, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
