@@ -14,6 +14,7 @@ from zorse_lightning.cluster.detection import (
     match_device,
     match_machines,
     with_measured_host_links,
+    with_measured_nccl,
 )
 from zorse_lightning.errors import InventoryError
 
@@ -47,6 +48,19 @@ def test_each_gpu_type_takes_the_slowest_host_link_its_ranks_measured():
     measured = with_measured_host_links(inventory, reports)
     assert [g.gpu_type.host_link_gbps for g in measured.gpus] == [150.0, 150.0, inventory.gpus[2].gpu_type.host_link_gbps]
     assert with_measured_host_links(inventory, [A100, A100, None]) == inventory  # nothing measured: the catalog's
+
+
+def test_each_gpu_type_takes_the_largest_nccl_communicator_its_ranks_measured():
+    """The memory model prices a type's communicators by its name: the largest of its ranks' (558 and 390 MiB, as
+    an H200's first and later communicators measured); a type no rank measured keeps None (priced from NCCL's
+    settings)."""
+    mib = 1024 * 1024
+    reports = [DeviceReport(A100.name, A100.total_memory_bytes, None, 390 * mib),
+               DeviceReport(A100.name, A100.total_memory_bytes, None, 558 * mib), T4]
+    inventory = inventory_from_reports(machine_reports([("a", reports[0]), ("a", reports[1]), ("b", reports[2])]))
+    measured = with_measured_nccl(inventory, reports)
+    assert [g.gpu_type.nccl_communicator_bytes for g in measured.gpus] == [558 * mib, 558 * mib, None]
+    assert with_measured_nccl(inventory, [A100, A100, None]) == inventory  # nothing measured: priced
 
 
 def test_ranks_group_into_machines_of_different_sizes():

@@ -93,13 +93,15 @@ def test_a_rank_has_the_communicators_the_engine_makes_for_it(widths, group, pip
     assert nccl_communicators(widths, group, pipelined) == expected
 
 
-def test_a_real_gpus_rank_holds_its_communicators_buffers_beside_the_reserve(monkeypatch):
+def test_a_real_gpus_rank_holds_its_communicators_memory_beside_the_reserve(monkeypatch):
     """Two stages of four GPUs: each rank's peak holds 4 communicators' buffers, 4 x 16 MiB, on top of the
-    0.5 GiB reserve; none on an emulated cluster (gloo) or where the user gave the whole reserve."""
+    0.5 GiB reserve, or 4 times what its type measured at setup; none on an emulated cluster (gloo) or where the
+    user gave the whole reserve."""
     from test_planner_fixtures import synthetic_profile
 
     from testing.plans import hand_plan
     from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.cluster.detection import DeviceReport, with_measured_nccl
     from zorse_lightning.planner.cost.context import CostContext
     from zorse_lightning.planner.cost.evaluate import stage_memory
 
@@ -113,6 +115,11 @@ def test_a_real_gpus_rank_holds_its_communicators_buffers_beside_the_reserve(mon
             assert (used.nccl_bytes, used.reserve_bytes) == (4 * 16 * MIB, 0.5 * 1024**3)
         pinned = stage_memory(CostContext.build(inventory, profile, memory_reserve_gib=0.75), plan, index, (0.25,) * 4)
         assert {(m.nccl_bytes, m.reserve_bytes) for m in pinned} == {(0.0, 0.75 * 1024**3)}
+    a100 = DeviceReport("NVIDIA A100-SXM4-40GB", 40 * 1024**3, None, 558 * MIB)  # what NCCL took at setup
+    measured = with_measured_nccl(inventory, [a100] * 4 + [None] * 4)
+    for index, communicator in ((0, 558 * MIB), (1, 16 * MIB)):  # the V100s measured nothing: priced
+        used = stage_memory(CostContext.build(measured, profile), plan, index, (0.25,) * 4)
+        assert {m.nccl_bytes for m in used} == {4 * communicator}
     emulated = load_cluster("cpu_sim4")
     one_stage = hand_plan([((0, 1, 2, 3), (1, 1, 1, 1), (0, 4))], inventory=emulated)
     profile = synthetic_profile(("a100x40", "v100x16", "t4"), num_layers=4, hidden=256, seq_len=64, vocab=1000)

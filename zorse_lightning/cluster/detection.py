@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zorse_lightning.cluster.catalog import DEFAULT_CATALOG, GpuCatalog
 from zorse_lightning.cluster.gpu_type import GpuType
@@ -42,6 +42,8 @@ class DeviceReport:
     total_memory_bytes: int
     host_link_gbps: float | None = None
     """Measured at start-up (:func:`measured_host_link_gbps`); None: not measured, the catalog's figure holds."""
+    nccl_communicator_bytes: int | None = None
+    """What NCCL's first communicator took on the device, measured at setup; None: not measured (no NCCL)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,12 @@ class MachineReport:
     devices: tuple[DeviceReport, ...]
 
 
-def local_device_report(device: torch.device, measure_host_link: bool = False) -> DeviceReport | None:
+def local_device_report(
+    device: torch.device, measure_host_link: bool = False, nccl_communicator_bytes: int | None = None
+) -> DeviceReport | None:
     """A device of this machine as detection sees it; None for a non-CUDA device. ``measure_host_link``:
-    with its host link timed (:func:`measured_host_link_gbps`: start-up, once per rank).
+    with its host link timed (:func:`measured_host_link_gbps`: start-up, once per rank);
+    ``nccl_communicator_bytes``: what NCCL's first communicator took there, as measured at setup.
 
     None rather than a description because a CPU rank has no GPU type to
     detect: it emulates the type its inventory lists, and callers skip it.
@@ -63,7 +68,7 @@ def local_device_report(device: torch.device, measure_host_link: bool = False) -
 
     props = torch.cuda.get_device_properties(device)
     link = measured_host_link_gbps(device) if measure_host_link else None
-    return DeviceReport(name=props.name, total_memory_bytes=int(props.total_memory), host_link_gbps=link)
+    return DeviceReport(props.name, int(props.total_memory), link, nccl_communicator_bytes)
 
 
 HOST_COPY_BYTES = 64 * 2**20
@@ -101,11 +106,28 @@ def with_measured_host_links(inventory: ClusterInventory, reports: Sequence[Devi
         if report is not None and report.host_link_gbps is not None:
             name = gpu.gpu_type.name
             measured[name] = min(measured.get(name, math.inf), report.host_link_gbps)
-    if not measured:
+    return _with_type_figures(inventory, "host_link_gbps", measured)
+
+
+def with_measured_nccl(inventory: ClusterInventory, reports: Sequence[DeviceReport | None]) -> ClusterInventory:
+    """``inventory`` (whose rank ``r`` reported ``reports[r]``) with each GPU type's ``nccl_communicator_bytes``
+    the largest its ranks measured: one figure per type, as the planner prices a type by its name. Types no rank
+    measured keep theirs (None: priced from NCCL's settings)."""
+    measured: dict[str, int] = {}
+    for gpu, report in zip(inventory.gpus, reports):
+        if report is not None and report.nccl_communicator_bytes is not None:
+            name = gpu.gpu_type.name
+            measured[name] = max(measured.get(name, 0), report.nccl_communicator_bytes)
+    return _with_type_figures(inventory, "nccl_communicator_bytes", measured)
+
+
+def _with_type_figures(inventory: ClusterInventory, field_name: str, by_type: Mapping[str, Any]) -> ClusterInventory:
+    """``inventory`` with ``field_name`` of each GPU type named in ``by_type`` set to its figure there."""
+    if not by_type:
         return inventory
     machines = tuple(
         dataclasses.replace(m, gpu_types=tuple(
-            dataclasses.replace(t, host_link_gbps=measured[t.name]) if t.name in measured else t for t in m.gpu_types
+            dataclasses.replace(t, **{field_name: by_type[t.name]}) if t.name in by_type else t for t in m.gpu_types
         ))
         for m in inventory.machines
     )

@@ -39,6 +39,10 @@ class GpuType:
     """Other spellings: marketing names and ``torch.cuda.get_device_name`` strings."""
     from_datasheet: bool = True
     """False for entries guessed from a detected device the catalog lacks."""
+    nccl_communicator_bytes: int | None = None
+    """Device memory one NCCL communicator took on this type, outside torch's allocator: measured at setup (the
+    largest of its ranks', :mod:`zorse_lightning.engine.nccl_memory`); None: priced from NCCL's settings
+    (:class:`zorse_lightning.planner.cost.memory.NcclBuffers`)."""
 
     def __post_init__(self) -> None:
         for field_name in ("memory_gib", "fp16_tflops", "memory_bandwidth_gbps", "peer_bandwidth_gbps", "host_link_gbps"):

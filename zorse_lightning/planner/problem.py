@@ -186,7 +186,7 @@ def _update_ms(ctx: CostContext, group: tuple[int, ...], parameters: float) -> f
 
 
 def stage_groups(ctx: CostContext, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Identical GPUs of a stage: same type, memory and reserve."""
+    """Identical GPUs of a stage: same type, memory and reserve (NCCL's memory is a type's too)."""
     found: dict[tuple, list[int]] = {}
     for rank in ranks:
         gpu = ctx.inventory.gpus[rank]
@@ -209,7 +209,6 @@ def build_problem(
         first, last = s == 0, s == num_stages - 1
         sharding = candidate.sharding if len(ranks) > 1 else Sharding.NONE
         groups = stage_groups(ctx, ranks)
-        nccl = ctx.nccl_bytes(widths, s, num_stages > 1)
         extra_params = block_extras(ctx, ctx.inventory.gpus[ranks[0]].gpu_type.name, m, first, last)[1]
         params = [p + extra_params for p in windows.parameters()]
         costs = []
@@ -218,11 +217,12 @@ def build_problem(
             extra_ms, _, extra_act = block_extras(ctx, gpu_type, m, first, last)
             times = windows.time_ms(gpu_type, m, candidate.recompute)
             held = [stage_state_bytes(p, per, sharding)[0] for p in params]
+            unplanned = ctx.reserve_bytes(group[0]) + ctx.nccl_bytes(group[0], widths, s, num_stages > 1)
             costs.append(
                 GroupCosts(
                     count=len(group),
                     microbatch_ms=tuple(t + extra_ms for t in times),
-                    fixed_bytes=tuple(h + ctx.reserve_bytes(group[0]) + nccl for h in held),
+                    fixed_bytes=tuple(h + unplanned for h in held),
                     activation_bytes=tuple(a + extra_act for a in windows.activation_bytes(m, candidate.recompute)),
                     capacity_bytes=ctx.capacity_bytes(group[0]),
                     receive_ms=receive_wait_ms(ctx, candidate.layout, s, group, message_bytes),

@@ -68,6 +68,9 @@ class RunState:
 
     inventory: ClusterInventory | None = None
     """The cluster: given (loaded on first use) or detected at setup."""
+    nccl_communicator_bytes: int | None = None
+    """What NCCL's first communicator took on this rank's GPU, measured as it was made (None: no NCCL); the
+    inventory's GPU types carry it to the memory model."""
     plan: Plan | None = None
     startup: StartupResult | None = None
     """What start-up measured and planned from (None when a plan was given)."""

@@ -56,6 +56,7 @@ from zorse_lightning.engine.host_group import broadcast_module, host_group
 from zorse_lightning.engine.checkpoint.by_name import ByName
 from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
 from zorse_lightning.engine.communicators import connect_at_init
+from zorse_lightning.engine.nccl_memory import measure_first_communicator
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
 from zorse_lightning.module.blocks import CutError, find_block_list, find_block_list_or_none
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
@@ -286,6 +287,9 @@ class ZorseStrategy(CheckpointHooks):
         tear_down_hung_collectives(backend)  # read by each NCCL group as it is created: before the first
         connect_at_init(backend)  # read by NCCL at its first communicator
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # NCCL's memory, measured while nothing else is on the GPU (once: a second fit finds the communicator made)
+        if backend == "nccl" and self.world_size > 1 and self._state.nccl_communicator_bytes is None:
+            self._state.nccl_communicator_bytes = measure_first_communicator(self.root_device)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -311,7 +315,7 @@ class ZorseStrategy(CheckpointHooks):
     @override
     def setup(self, trainer: Any) -> None:
         if self._cluster_source is None and self._state.inventory is None and self._plan_source is None:
-            self._state.inventory = detect_cluster(self.root_device, self.world_size)
+            self._state.inventory = detect_cluster(self.root_device, self.world_size, self._state.nccl_communicator_bytes)
         self.accelerator.setup(trainer)
         quiet_merged_metric_advice()
         self._set_precision()
@@ -348,7 +352,9 @@ class ZorseStrategy(CheckpointHooks):
 
     def _set_precision(self) -> None:
         if self.inventory is not None:
-            self._state.inventory = placed_inventory(self.inventory, self.root_device, self.world_size)
+            self._state.inventory = placed_inventory(
+                self.inventory, self.root_device, self.world_size, self._state.nccl_communicator_bytes
+            )
             gpu_types = [gpu.gpu_type for gpu in self.inventory.gpus]
         else:
             gathered: list[Any] = [None] * self.world_size

@@ -17,12 +17,14 @@ from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
 
 
-def _nccl_buffers(inventory: ClusterInventory, memory_reserve_gib: float | None) -> NcclBuffers | None:
-    """NCCL's buffers as this process's environment sets them (start-up plans on rank 0, in the job's), on real
-    GPUs; none where the ranks are emulated (gloo) or the user gave the whole reserve (``memory_reserve_gib``)."""
+def _nccl_communicator_bytes(inventory: ClusterInventory, memory_reserve_gib: float | None) -> tuple[float, ...]:
+    """Each rank's device memory per NCCL communicator: what its GPU type measured at setup, else NCCL's buffers
+    as this process's environment sets them (start-up plans on rank 0, in the job's); none where the ranks are
+    emulated (gloo) or the user gave the whole reserve (``memory_reserve_gib``)."""
     if inventory.emulated or memory_reserve_gib is not None:
-        return None
-    return NcclBuffers.from_environment(os.environ)
+        return ()
+    priced = NcclBuffers.from_environment(os.environ).communicator_bytes
+    return tuple(float(g.gpu_type.nccl_communicator_bytes or priced) for g in inventory.gpus)
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,9 @@ class CostContext:
     reserves_bytes: tuple[float, ...]
     """Framework reserve per rank (see :func:`reserve_gib`)."""
     capacities_bytes: tuple[float, ...]
-    nccl: NcclBuffers | None = None
-    """What NCCL allocates per communicator on the ranks' GPUs (None: none priced: emulated ranks, whose groups are
-    gloo's, or a reserve the user gave whole)."""
+    nccl_communicator_bytes: tuple[float, ...] = ()
+    """Device memory per NCCL communicator, by rank (empty: none priced: emulated ranks, whose groups are gloo's,
+    or a reserve the user gave whole)."""
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
     _fastest_layer_ms: dict = field(default_factory=dict, compare=False, repr=False)
@@ -98,18 +100,18 @@ class CostContext:
         )
         return cls(
             inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus),
-            nccl=_nccl_buffers(inventory, memory_reserve_gib),
+            nccl_communicator_bytes=_nccl_communicator_bytes(inventory, memory_reserve_gib),
         )
 
     def reserve_bytes(self, rank: int) -> float:
         return self.reserves_bytes[rank]
 
-    def nccl_bytes(self, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> float:
-        """NCCL's buffers on a rank of group ``group_index`` (None: idle) of a plan whose groups of ranks have
+    def nccl_bytes(self, rank: int, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> float:
+        """NCCL's memory on ``rank``, of group ``group_index`` (None: idle) of a plan whose groups of ranks have
         ``group_widths`` (see :func:`~.memory.nccl_communicators`)."""
-        if self.nccl is None:
+        if not self.nccl_communicator_bytes:
             return 0.0
-        return float(self.nccl.communicator_bytes * nccl_communicators(group_widths, group_index, pipelined))
+        return self.nccl_communicator_bytes[rank] * nccl_communicators(group_widths, group_index, pipelined)
 
     def capacity_bytes(self, rank: int) -> float:
         return self.capacities_bytes[rank]

@@ -178,7 +178,7 @@ def stage_memory(
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
     held, sharded = stage_state_bytes(parameters, profile_state_bytes(ctx.profile), stage.sharding, stage.gather_per_microbatch)
-    nccl = ctx.nccl_bytes(tuple(len(g.ranks) for g in plan.rank_groups), plan.group_of_stage(index), len(plan.stages) > 1)
+    groups_of_ranks = (tuple(len(g.ranks) for g in plan.rank_groups), plan.group_of_stage(index), len(plan.stages) > 1)
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)
@@ -194,7 +194,7 @@ def stage_memory(
         return tuple(
             RankMemory(
                 held, sharded * fraction, peak + running, ctx.reserves_bytes[r], optimizer_step_bytes(ctx.profile, n), host,
-                nccl,
+                ctx.nccl_bytes(r, *groups_of_ranks),
             )
             for r, fraction, peak, n, host in zip(stage.ranks, fractions, peaks, stepped, host_peaks)
         )
@@ -209,12 +209,12 @@ def stage_memory(
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
     for rank, n, fraction, updated in zip(stage.ranks, stage.microbatches_per_rank, fractions, stepped):
-        key = (n, fraction, ctx.reserves_bytes[rank])
+        key = (n, fraction, ctx.reserves_bytes[rank], ctx.nccl_bytes(rank, *groups_of_ranks))
         if key not in alike:
             flight = microbatches_in_flight(schedule, widths, index, n)
             alike[key] = RankMemory(
                 held, sharded * fraction, per_microbatch * flight + running, key[2], optimizer_step_bytes(ctx.profile, updated),
-                host_per_microbatch * flight, nccl,
+                host_per_microbatch * flight, key[3],
             )
         out.append(alike[key])
     return tuple(out)
