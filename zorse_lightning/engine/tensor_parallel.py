@@ -16,7 +16,9 @@ accumulates into it in place.
 
 What combines with TP so far (:func:`check_stage`): sharding ``none`` and
 ``optimizer`` (shards over the replicas' ranks of one TP index hold local
-slices), recomputation; one TP degree on every stage.
+slices), recomputation; one TP degree on every stage. Checkpoints hold whole tensors
+(gathered over the TP group as they are written; optimizer state cut again as it is read), so a checkpoint
+resumes on a plan with or without TP.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from zorse_lightning.capabilities import Sharding
@@ -86,3 +88,12 @@ def as_gradient(param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return values
     return DTensor.from_local(values, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def like_parameter(param: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+    """A whole tensor of ``param``'s shape (a checkpoint's optimizer state) laid out as ``param`` is on this rank:
+    its slice, cut locally without communication (every rank of the TP group read the same values)."""
+    whole = whole.to(param.device)
+    if not isinstance(param, DTensor):
+        return whole
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)

@@ -34,6 +34,7 @@ from torch import nn
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine.executor import PipelineEngine
+from zorse_lightning.engine.tensor_parallel import as_gradient, local
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
 from zorse_lightning.planner.plan import Plan
@@ -121,12 +122,16 @@ def _sum_over_stage(params: list[nn.Parameter], group: dist.ProcessGroup) -> Non
     if not params:
         return
     dtype = next((p.grad.dtype for p in params if p.grad is not None), params[0].dtype)
-    pieces = [p.grad.reshape(-1).to(dtype) if p.grad is not None else p.new_zeros(p.numel(), dtype=dtype) for p in params]
-    flags = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=params[0].device)
+    pieces = [
+        local(p.grad).reshape(-1).to(dtype) if p.grad is not None else local(p).new_zeros(local(p).numel(), dtype=dtype)
+        for p in params
+    ]
+    flags = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=local(params[0]).device)
     flat = torch.cat([*pieces, flags])
     dist.all_reduce(flat, group=group)
     offset = 0
     for param, present in zip(params, flat[-len(params):].tolist()):
+        numel = local(param).numel()  # this rank's slice of a weight split over a TP group
         if present:
-            param.grad = flat[offset : offset + param.numel()].view_as(param).to(param.dtype, copy=True)
-        offset += param.numel()
+            param.grad = as_gradient(param, flat[offset : offset + numel].view_as(local(param)).to(param.dtype, copy=True))
+        offset += numel

@@ -21,9 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from zorse_lightning.engine.checkpoint import files as checkpoint_files
+from zorse_lightning.engine.tensor_parallel import like_parameter
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.engine.checkpoint.by_name import ByName, OpenedFiles, optimizer_section, state_dict_section
 from zorse_lightning.engine.checkpoint.files import (
@@ -86,14 +88,20 @@ def held_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) ->
     return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, held)
 
 
+def _whole(value: Any) -> Any:
+    """``value`` with each weight split over a TP group gathered whole (collective over the group, in the same
+    order on its ranks: their state dicts agree), so that files hold plain tensors that resume on any plan."""
+    return tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, value)
+
+
 def local_module_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's share of the module's state dict (collective)."""
-    return _to_cpu(_mine(held_module_entries(module)))
+    return _to_cpu(_mine(_whole(held_module_entries(module))))
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """This rank's share of the optimizer's state, keyed by parameter name (collective)."""
-    held = held_optimizer_entries(optimizer, module)
+    held = _whole(held_optimizer_entries(optimizer, module))
     return {NAMED_STATE_KEY: _to_cpu(_mine(held)), "param_groups": optimizer_hyperparameters(optimizer)}
 
 
@@ -107,7 +115,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, sa
             state = by_name.get(names[id(param)])
             if state is not None:
                 optimizer.state[param] = tree_map(
-                    lambda v: v.to(param.device) if isinstance(v, torch.Tensor) and v.dim() else v, state
+                    lambda v: like_parameter(param, v) if isinstance(v, torch.Tensor) and v.dim() else v, state
                 )
 
 
