@@ -149,7 +149,9 @@ def _run_case(rank: int, case: Case) -> dict:
     rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
     local = lambda batch: (batch[0][rows], batch[1][rows])
     step_fn = lambda micro, j: model._loss(micro)
+    torch.manual_seed(100 + rank)  # as a rank's start-up may leave it: the TP group must agree from setup on
     engine.prepare(local(batches[0]), step_fn)
+    drawn = torch.rand(1).item()
     optimizer = _optimizer(model)
     engine.setup_optimizer(optimizer)
     losses = []
@@ -174,6 +176,7 @@ def _run_case(rank: int, case: Case) -> dict:
         "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
         "split": sorted(n for n, p in model.named_parameters() if id(p) in local_ids and isinstance(p, DTensor)),
         "compared": len(diffs),
+        "drawn": drawn,
     }
 
 
@@ -201,3 +204,7 @@ def test_slices_and_losses_match_single_process(results, case):
         assert run["compared"] > 0 and run["split"], (rank, run)
         assert run["max_param_diff"] < 1e-5, (rank, run)
         assert run["loss_diff"] < 1e-5, (rank, run)
+        group = plan.stages[plan.stage_of_rank(rank)].tensor_group(rank)
+        assert run["drawn"] == results[group[0]][case]["drawn"], "a TP group draws the same numbers"
+    if len(plan.stages[0].replicas) > 1:  # replicas keep their own (the agreement above is not a coincidence)
+        assert results[0][case]["drawn"] != results[2][case]["drawn"]

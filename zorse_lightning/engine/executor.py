@@ -141,6 +141,10 @@ class PipelineEngine:
         if self.is_pipelined:
             analysis = self._agreed_analysis(blocks, batch, step_fn)
         make_communicators(self.groups, self.transport, self.schedule, self.device, self.gradient_bucket_bytes // 4)
+        if split is not None:
+            tensor_parallel.agree_random_state(
+                self.groups.tensor_group, self.groups.stage.tensor_group(self.groups.rank)[0], self.device, self.groups.call
+            )
         if self.groups.is_idle:
             release_module(self.module)
         elif self.is_pipelined:

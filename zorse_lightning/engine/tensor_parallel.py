@@ -16,7 +16,9 @@ accumulates into it in place.
 
 What combines with TP so far (:func:`check_stage`): sharding ``none`` and
 ``optimizer`` (shards over the replicas' ranks of one TP index hold local
-slices), recomputation; one TP degree on every stage. Checkpoints hold whole tensors
+slices), recomputation; one TP degree on every stage. The random state agrees across each TP group from setup on
+(:func:`agree_random_state`): a dropout on replicated activations draws one mask on every rank of the group;
+one inside a split part draws the same mask for each rank's heads. Checkpoints hold whole tensors
 (gathered over the TP group as they are written; optimizer state cut again as it is read), so a checkpoint
 resumes on a plan with or without TP.
 """
@@ -97,3 +99,17 @@ def like_parameter(param: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return whole
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def agree_random_state(group: dist.ProcessGroup, source: int, device: torch.device, call) -> None:
+    """Give every rank of the TP group the random state of its rank ``source`` (collective over the group, at
+    setup): its ranks compute the same replicated activations, so a dropout there must draw the same mask on
+    each (start-up's profiling may have drawn different numbers on each). ``call``: the groups' gate of a
+    collective (:meth:`~.groups.StageGroups.call`)."""
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if device.type == "cuda":
+        states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
+    for get, put in states:
+        state = get().to(device)
+        dist.broadcast(state, src=source, group=call(group, "the TP group's random state"))
+        put(state.cpu())

@@ -42,9 +42,17 @@ class CheckpointHooks(ParallelStrategy):
             return {"param_groups": shards.optimizer_hyperparameters(optimizer)}
         return shards.local_optimizer_state(optimizer, self.lightning_module)
 
-    def _snapshot_for_recovery(self, trainer: Any) -> bool:
+    def _snapshot_for_recovery(self, trainer: Any) -> bool | None:
         """Lightning's checkpoint of this step without its tensors (no collective): what survivors keep. What
-        never changes over the run (plan, inventory) is given to the keeper once. False: none was started."""
+        never changes over the run (plan, inventory) is given to the keeper once. False: none was started;
+        None: this run keeps none (:meth:`_keeps_no_survivors`)."""
+        if self._keeps_no_survivors():
+            rank_zero_info(
+                f"zorse: no survivor snapshots: the plan splits blocks over tensor-parallel groups "
+                f"(tensor_parallel {self._state.plan.stages[0].tensor_parallel}), whose slices snapshots do not keep yet; "
+                f"a lost rank resumes from the last checkpoint"
+            )
+            return None
         module, optimizers = self.lightning_module, self._raw_optimizers()
         if not self._state.keeper.static:
             if self._state.keeper.copies(module, optimizers):
@@ -76,8 +84,14 @@ class CheckpointHooks(ParallelStrategy):
         dist.all_gather_object(gathered, obj, group=self._state.host_group)
         return gathered
 
+    def _keeps_no_survivors(self) -> bool:
+        """Whether the plan splits blocks over TP groups: survivors' files hold weights by name, whole, and a
+        TP rank holds slices (checkpoints gather them whole, which a survivor, keeping alone, cannot)."""
+        plan = self._state.plan
+        return plan is not None and any(stage.tensor_parallel > 1 for stage in plan.stages)
+
     def _keep_survivor_state(self) -> None:
-        if self._recovery.enabled and self.lightning_module is not None:
+        if self._recovery.enabled and self.lightning_module is not None and not self._keeps_no_survivors():
             directory = keeping_directory(self._recovery, self.lightning_module.trainer)
             self._state.keeper.keep(directory, self.global_rank, self.lightning_module, self._raw_optimizers())
 

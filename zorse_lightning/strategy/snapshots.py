@@ -26,7 +26,8 @@ from zorse_lightning.engine.checkpoint.survivors import (
 class SurvivorSnapshots(pl.Callback):
     """First of the callbacks, so that its snapshot holds what ``ModelCheckpoint`` would save at that step.
 
-    Snapshots are taken every ``interval`` optimizer steps. Unless the policy fixes it, the interval is
+    Snapshots are taken every ``interval`` optimizer steps (``take`` answers whether one started, or None
+    where the run keeps none at all: then the callback does nothing more). Unless the policy fixes it, the interval is
     chosen once the first snapshot is complete and a few steps were timed (snapshots are taken at every
     step until then): its cost (the host's time to take the first one plus its copy's time on the side
     stream, counted as if it did not overlap the step at all) over :attr:`RecoveryPolicy.max_snapshot_cost`
@@ -56,9 +57,11 @@ class SurvivorSnapshots(pl.Callback):
         """One snapshot's measured cost: host time plus copy time (None until the interval is chosen)."""
         self.step_ms: float | None = None
         """The median step it was weighed against."""
+        self._off = False
+        """``take`` answered None: the run keeps no snapshots (every rank answers alike: its plan says so)."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self._last_step:  # mid-accumulation: no optimizer step completed
+        if self._off or trainer.global_step == self._last_step:  # mid-accumulation: no optimizer step completed
             return
         self._last_step = trainer.global_step
         now = time.perf_counter()
@@ -69,7 +72,11 @@ class SurvivorSnapshots(pl.Callback):
             self._choose_interval()
         # Until the interval is chosen, every step (the cost is being measured); then every ``interval`` steps.
         if self.interval is None or trainer.global_step % self.interval == 0:
-            if self._take(trainer) and self._take_ms is None:
+            taken = self._take(trainer)
+            if taken is None:  # this run keeps none: nothing more to time or agree on
+                self._off = True
+                return
+            if taken and self._take_ms is None:
                 self._take_ms = (time.perf_counter() - now) * 1000
             self._last_end = time.perf_counter()  # the snapshot's host time is timed apart from the step's
 
