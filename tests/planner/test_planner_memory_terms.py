@@ -93,6 +93,15 @@ def test_a_rank_has_the_communicators_the_engine_makes_for_it(widths, group, pip
     assert nccl_communicators(widths, group, pipelined) == expected
 
 
+@pytest.mark.parametrize("widths, group, pipelined, expected", [
+    ((4, 4), 0, True, 5),  # default, its TP index's 2 replicas, first and last per index, pipeline, its TP group
+    ((2, 2), 0, True, 4),  # one replica: no data-parallel group
+    ((4,), 0, False, 3),  # default, data parallel per index, TP
+])
+def test_tensor_parallelism_adds_its_group_and_narrows_the_data_parallel_one(widths, group, pipelined, expected):
+    assert nccl_communicators(widths, group, pipelined, tensor_parallel=2) == expected
+
+
 def test_a_real_gpus_rank_holds_its_communicators_memory_beside_the_reserve(monkeypatch):
     """Two stages of four GPUs: each rank's peak holds 4 communicators' buffers, 4 x 16 MiB, on top of the
     0.5 GiB reserve, or 4 times what its type measured at setup; none on an emulated cluster (gloo) or where the

@@ -106,12 +106,15 @@ class CostContext:
     def reserve_bytes(self, rank: int) -> float:
         return self.reserves_bytes[rank]
 
-    def nccl_bytes(self, rank: int, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> float:
+    def nccl_bytes(
+        self, rank: int, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool, tensor_parallel: int = 1
+    ) -> float:
         """NCCL's memory on ``rank``, of group ``group_index`` (None: idle) of a plan whose groups of ranks have
         ``group_widths`` (see :func:`~.memory.nccl_communicators`)."""
         if not self.nccl_communicator_bytes:
             return 0.0
-        return self.nccl_communicator_bytes[rank] * nccl_communicators(group_widths, group_index, pipelined)
+        communicators = nccl_communicators(group_widths, group_index, pipelined, tensor_parallel)
+        return self.nccl_communicator_bytes[rank] * communicators
 
     def capacity_bytes(self, rank: int) -> float:
         return self.capacities_bytes[rank]

@@ -178,7 +178,10 @@ def stage_memory(
     stage = stage or plan.stages[index]
     parameters = stage_parameters_of(ctx, plan, index, stage)
     held, sharded = stage_state_bytes(parameters, profile_state_bytes(ctx.profile), stage.sharding, stage.gather_per_microbatch)
-    groups_of_ranks = (tuple(len(g.ranks) for g in plan.rank_groups), plan.group_of_stage(index), len(plan.stages) > 1)
+    groups_of_ranks = (
+        tuple(len(g.ranks) for g in plan.rank_groups), plan.group_of_stage(index), len(plan.stages) > 1,
+        stage.tensor_parallel,
+    )
     stepped = parameters_updated(parameters.total, stage.sharding, fractions)
     if plan.interleave > 1:
         peaks = rank_activation_bytes(ctx, plan, stage.ranks)

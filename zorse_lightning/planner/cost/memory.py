@@ -92,22 +92,26 @@ def _positive_int(environ: Mapping[str, str], name: str, default: int) -> int:
     return number
 
 
-def nccl_communicators(group_widths: tuple[int, ...], group_index: int | None, pipelined: bool) -> int:
+def nccl_communicators(
+    group_widths: tuple[int, ...], group_index: int | None, pipelined: bool, tensor_parallel: int = 1
+) -> int:
     """The NCCL communicators the engine makes for one rank (``engine.groups.build_groups``, every one made at
-    setup), of groups of at least two ranks: the default group; its group of ranks (its stage's); the groups
-    of the stages that may share a weight: the first and last groups (tied embeddings) and, with three groups
-    or more, all of them; and the pipeline group (every rank) where ``pipelined`` (the plan has stages to pass
-    between). ``group_widths``: ranks per group (the stages' ranks; an interleaved plan's groups); an idle rank
-    (``group_index`` None) is in the default and pipeline groups only. The host group is gloo: no NCCL buffers."""
+    setup), of groups of at least two ranks: the default group; its data-parallel group (its stage's ranks, or
+    under tensor parallelism those of its TP index); the groups of the stages that may share a weight (per TP
+    index): the first and last groups (tied embeddings) and, with three groups or more, all of them; the pipeline
+    group (every rank) where ``pipelined`` (the plan has stages to pass between); and its TP group where
+    ``tensor_parallel`` > 1. ``group_widths``: ranks per group (the stages' ranks; an interleaved plan's groups);
+    an idle rank (``group_index`` None) is in the default and pipeline groups only. The host group is gloo: no
+    NCCL communicator."""
     world = sum(group_widths) + (group_index is None)
     count = (world > 1) + (pipelined and world > 1)
     if group_index is None:
         return count
     last = len(group_widths) - 1
-    count += group_widths[group_index] > 1
+    count += group_widths[group_index] // tensor_parallel > 1
     if last > 0 and group_index in (0, last):
         count += 1
-    return count + (last > 1)
+    return count + (last > 1) + (tensor_parallel > 1)
 
 
 @dataclass(frozen=True)
