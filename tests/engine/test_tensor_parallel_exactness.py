@@ -3,7 +3,8 @@
 Four gloo processes start once and run every case (under the rules mode the tests set, NCCL's lazy
 communicators included): the project's GPT, Hugging Face Llama and Qwen2 from tiny configs (never downloaded),
 at TP 2 alone, TP 2 x 2 pipeline stages, and TP 2 x data parallel 2 with uneven microbatch shares, with
-global-norm clipping and optimizer-state sharding. Each rank trains the single-process reference itself and
+global-norm clipping and optimizer-state sharding; and a degree that does not divide the heads, refused on every
+rank. Each rank trains the single-process reference itself and
 compares its local slice of each split weight (and each weight it holds whole) with it, and the losses.
 """
 
@@ -25,6 +26,7 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.engine.host_group import broadcast_module
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.planner.plan import Plan, StagePlan
 
@@ -180,10 +182,25 @@ def _run_case(rank: int, case: Case) -> dict:
     }
 
 
+def _refused(rank: int) -> str:
+    """A plan asking for TP 2 of a GPT with one head: every rank (the idle ones too) refuses it at prepare,
+    before any collective, so none waits for another."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=1)
+    plan = _plan(Case("one_head", "gpt", (((0, 1), (4, 4), (0, 4)),), idle=(2, 3)))
+    engine = PipelineEngine(model, build_groups(plan, rank, timeout=timedelta(seconds=60)), torch.device("cpu"))
+    batch = _batches(1, plan.global_batch_size)[0]
+    try:
+        engine.prepare(batch, lambda micro, j: model._loss(micro))
+    except PlanningError as error:
+        return str(error)
+    return "accepted"
+
+
 def _worker(rank: int, out_dir: Path) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
-        return {case.name: _run_case(rank, case) for case in CASES}
+        return {"refused": _refused(rank), **{case.name: _run_case(rank, case) for case in CASES}}
     finally:
         dist.destroy_process_group()
 
@@ -208,3 +225,9 @@ def test_slices_and_losses_match_single_process(results, case):
         assert run["drawn"] == results[group[0]][case]["drawn"], "a TP group draws the same numbers"
     if len(plan.stages[0].replicas) > 1:  # replicas keep their own (the agreement above is not a coincidence)
         assert results[0][case]["drawn"] != results[2][case]["drawn"]
+
+
+def test_heads_the_degree_does_not_divide_are_refused_on_every_rank(results):
+    for rank, per_rank in enumerate(results):
+        assert "the plan's tensor_parallel=2 cannot run" in per_rank["refused"], (rank, per_rank["refused"])
+        assert "attn.heads=1 is not divisible by tensor_parallel=2" in per_rank["refused"]

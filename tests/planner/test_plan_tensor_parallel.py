@@ -112,3 +112,23 @@ def test_mixed_degrees_between_stages_are_refused_by_the_schedule():
     plan = _plan(FIRST, replace(SECOND, tensor_parallel=1, microbatches_per_rank=(1, 1, 1, 1)))
     with pytest.raises(PlanningError, match="tensor_parallel 2 and 1.*same tensor_parallel"):
         build_schedule(plan)
+
+
+
+def test_a_tp_group_across_machines_of_the_cluster_is_refused():
+    """The plan's own machine names agree, but the cluster puts the ranks on two machines."""
+    from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.planner.plan_check import check_plan
+
+    inventory = load_cluster({
+        "name": "two_t4_machines", "emulated": True,
+        "machines": [{"name": name, "gpus": [{"type": "t4", "count": 2}]} for name in ("m0", "m1")],
+    })
+    stage = StagePlan(
+        ranks=(0, 1, 2, 3), gpu_types=("t4",) * 4, machines=("m0",) * 4, layers=(0, 4), microbatches_per_rank=(4, 4, 4, 4),
+        tensor_parallel=2,
+    )
+    check_plan(Plan("tiny", inventory.name, 4, 4, 16, 2, "1f1b", (stage,)), inventory)  # (0, 1) and (2, 3): fine
+    across = replace(stage, ranks=(0, 2, 1, 3))
+    with pytest.raises(PlanningError, match=r"ranks \[0, 2\] one TP group .* on machines \['m0', 'm1'\].*lives on one machine"):
+        check_plan(Plan("tiny", inventory.name, 4, 4, 16, 2, "1f1b", (across,)), inventory)

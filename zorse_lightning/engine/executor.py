@@ -127,13 +127,16 @@ class PipelineEngine:
         Only the stage reaches the device: tensors built on the meta device are
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
+        degree = max(stage.tensor_parallel for stage in self.plan.stages)
         blocks = None
-        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or self._splits:
+        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or degree > 1:
             blocks = find_block_list(self.module, self.block_path)
         split = None
-        if self._splits:
-            tensor_parallel.check_stage(self.plan, self.groups.stage_index)
-            split = require_block_plan(self.module, blocks, self.groups.stage.tensor_parallel, self.tp_plan)
+        if degree > 1:  # checked on every rank, idle ones too: all refuse together, none waits for the others
+            for index in range(len(self.plan.stages)):
+                tensor_parallel.check_stage(self.plan, index)
+            block_plan = require_block_plan(self.module, blocks, degree, self.tp_plan)
+            split = block_plan if self._splits else None
         if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
             self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
             for index, block in enumerate(blocks.blocks):

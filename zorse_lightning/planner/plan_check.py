@@ -72,6 +72,15 @@ def _check_ranks(plan: Plan, inventory: ClusterInventory) -> None:
                     f"stage {index} of the plan puts a {gpu_type} at rank {rank}, but cluster {inventory.name!r} "
                     f"has a {actual} there; the plan was made for another cluster: re-plan for this one"
                 )
+        for group in stage.replicas if stage.tensor_parallel > 1 else ():
+            machines = sorted({inventory.gpus[r].machine for r in group})
+            if len(machines) > 1:
+                raise PlanningError(
+                    f"stage {index} of the plan makes ranks {list(group)} one TP group (tensor_parallel="
+                    f"{stage.tensor_parallel}), but cluster {inventory.name!r} has them on machines {machines}: a TP "
+                    f"group exchanges every block's activations, so it lives on one machine; list the stage's ranks "
+                    f"replica by replica, each run of {stage.tensor_parallel} on one machine, or lower tensor_parallel"
+                )
 
 
 def check_predicted_memory(plan: Plan, inventory: ClusterInventory) -> None:
