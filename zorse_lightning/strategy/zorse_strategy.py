@@ -55,7 +55,6 @@ from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.host_group import broadcast_module, host_group
 from zorse_lightning.engine.checkpoint.by_name import ByName
 from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
-from zorse_lightning.engine.communicators import connect_at_init
 from zorse_lightning.engine.nccl_memory import measure_first_communicator
 from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
 from zorse_lightning.module.blocks import CutError, find_block_list, find_block_list_or_none
@@ -285,7 +284,6 @@ class ZorseStrategy(CheckpointHooks):
         self.set_world_ranks()
         backend = backend_for(self.root_device)
         tear_down_hung_collectives(backend)  # read by each NCCL group as it is created: before the first
-        connect_at_init(backend)  # read by NCCL at its first communicator
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         # NCCL's memory, measured while nothing else is on the GPU (once: a second fit finds the communicator made)
         if backend == "nccl" and self.world_size > 1 and self._state.nccl_communicator_bytes is None:
