@@ -126,7 +126,10 @@ def _reference(case: Case, batches):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         optimizer.step()
         optimizer.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}, losses
+    with torch.no_grad():
+        x, y = batches[0]
+        evaluated = [model._loss((x[i : i + MICROBATCH], y[i : i + MICROBATCH])).item() for i in range(0, len(x), MICROBATCH)]
+    return {n: p.detach() for n, p in model.named_parameters()}, losses, evaluated
 
 
 def _my_part(param: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +168,8 @@ def _run_case(rank: int, case: Case) -> dict:
         optimizer.step()
         engine.after_optimizer_step()
         optimizer.zero_grad()
-    expected, expected_losses = _reference(case, batches)
+    evaluated = engine.evaluate(local(batches[0]), step_fn)
+    expected, expected_losses, expected_evaluated = _reference(case, batches)
     local_ids = {id(p) for p in engine.local_parameters()}
     diffs = {}
     for name, param in model.named_parameters():
@@ -179,6 +183,8 @@ def _run_case(rank: int, case: Case) -> dict:
         "split": sorted(n for n, p in model.named_parameters() if id(p) in local_ids and isinstance(p, DTensor)),
         "compared": len(diffs),
         "drawn": drawn,
+        "evaluated": len(evaluated),
+        "evaluated_diff": max((abs(v.item() - expected_evaluated[j]) for j, v in evaluated.items()), default=0.0),
     }
 
 
@@ -221,6 +227,9 @@ def test_slices_and_losses_match_single_process(results, case):
         assert run["compared"] > 0 and run["split"], (rank, run)
         assert run["max_param_diff"] < 1e-5, (rank, run)
         assert run["loss_diff"] < 1e-5, (rank, run)
+        assert run["evaluated_diff"] < 1e-5, (rank, run)
+        last = plan.stages[-1]
+        assert run["evaluated"] == (len(last.microbatch_ranges()[rank]) if rank in last.ranks else 0), (rank, run)
         group = plan.stages[plan.stage_of_rank(rank)].tensor_group(rank)
         assert run["drawn"] == results[group[0]][case]["drawn"], "a TP group draws the same numbers"
     if len(plan.stages[0].replicas) > 1:  # replicas keep their own (the agreement above is not a coincidence)

@@ -1,12 +1,13 @@
 """A hand-written plan with tensor parallelism runs as written through ``Trainer(strategy=ZorseStrategy(plan=...))``,
 and its checkpoints hold whole tensors: TP -> no TP -> TP equals the uninterrupted run.
 
-Four processes (as torchrun starts them) on one machine of four equal emulated GPUs (not slowed: ``emulate=False``)
-train the project's GPT with AdamW and clipping:
+Four processes (as torchrun starts them) on one machine of four equal emulated GPUs train the project's GPT with
+AdamW and clipping:
 
 A. TP 2 x data parallel 2 (replicas with 5 and 3 of 8 microbatches), 2 steps, saved;
 B. resumed from A on a two-stage pipeline without TP, to step 4, saved;
-C. resumed from B on A's plan, to step 6.
+C. resumed from B on A's plan, to step 6, emulated (T4 deadlines and memory budgets: the meter counts the
+   ranks' slices).
 
 Each is compared with single-process training on the same global batches (16 samples a step).
 """
@@ -50,11 +51,11 @@ def _pipeline_plan(inventory) -> Plan:
     return hand_plan([((0, 1), (4, 4), (0, 2)), ((2, 3), (3, 5), (2, 4))], microbatch_size=2, inventory=inventory)
 
 
-def _fit(plan: Plan, steps: int, tmp: Path, ckpt_path: Path | None = None):
+def _fit(plan: Plan, steps: int, tmp: Path, ckpt_path: Path | None = None, emulate: bool = False):
     inventory = load_cluster(CLUSTER)
     recorder = Recorder("train_loss")
     trainer = pl.Trainer(
-        strategy=ZorseStrategy(cluster=inventory, plan=plan, emulate=False), accelerator="cpu", devices=WORLD,
+        strategy=ZorseStrategy(cluster=inventory, plan=plan, emulate=emulate), accelerator="cpu", devices=WORLD,
         max_steps=steps, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp, callbacks=[recorder],
     )
@@ -90,7 +91,8 @@ def _worker(rank: int, tmp: Path) -> dict:
         ("B", _pipeline_plan(inventory), 4, "A"),
         ("C", _tensor_parallel_plan(), 6, "B"),
     ):
-        trainer, model, values = _fit(plan, steps, tmp, tmp / f"{resume}.ckpt" if resume else None)
+        resumed = tmp / f"{resume}.ckpt" if resume else None
+        trainer, model, values = _fit(plan, steps, tmp, resumed, emulate=name == "C")
         trainer.save_checkpoint(tmp / f"{name}.ckpt")
         reference, _ = reference_training(gpt(), tokens(GLOBAL_BATCH * 6), CLIP, steps=steps)
         result[name] = {

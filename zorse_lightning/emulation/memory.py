@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zorse_lightning.module.tensor_parallel import local
 from zorse_lightning.units import bytes_to_gib
 
 
@@ -41,7 +42,9 @@ class MemoryBreakdown:
 
 
 def _storage_key_and_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The storage a tensor keeps alive; None for tensors that hold no memory here (meta, sparse)."""
+    """The storage a tensor keeps alive (this rank's slice of one split over a TP group); None for tensors that
+    hold no memory here (meta, sparse)."""
+    tensor = local(tensor)
     if tensor.is_meta or tensor.layout is not torch.strided:
         return None
     storage = tensor.untyped_storage()
@@ -77,7 +80,7 @@ class _SavedTensor:
         entry = None if isinstance(tensor, nn.Parameter) else _storage_key_and_bytes(tensor)
         self._key = None if entry is None else entry[0]
         if entry is not None:
-            meter._hold(entry[0], tensor.untyped_storage())
+            meter._hold(entry[0], local(tensor).untyped_storage())
 
     def __del__(self) -> None:
         if self._key is not None:
@@ -140,7 +143,7 @@ class MemoryMeter:
         and how many parameters have optimizer state: what changes the state's bytes during a step."""
         return (
             tuple(id(p.grad) for p in parameters),
-            tuple(p.untyped_storage().data_ptr() for p in parameters if not p.is_meta),
+            tuple(local(p).untyped_storage().data_ptr() for p in parameters if not p.is_meta),
             tuple(len(o.state) for o in self._optimizers),
         )
 

@@ -34,7 +34,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.module.tensor_parallel import BlockTensorPlan
+from zorse_lightning.module.tensor_parallel import BlockTensorPlan, local
+
+__all__ = ["agree_random_state", "as_gradient", "check_stage", "is_split", "like_parameter", "local", "mesh_of", "parallelize_block"]
 from zorse_lightning.planner.plan import Plan
 
 TP_SHARDING = (Sharding.NONE, Sharding.OPTIMIZER)
@@ -72,12 +74,6 @@ def parallelize_block(block: nn.Module, plan: BlockTensorPlan, mesh: DeviceMesh)
     parallelize_module(block, mesh, plan.torch_plan(), src_data_rank=None)
     after = {(name, key): param for name, module in block.named_modules() for key, param in module._parameters.items()}
     return [(before[slot], new) for slot, new in after.items() if before.get(slot) is not None and before[slot] is not new]
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a split weight or gradient (the tensor itself when not split): what the engine's
-    buckets, norms and shard updates read and write, outside autograd."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def is_split(param: torch.Tensor) -> bool:

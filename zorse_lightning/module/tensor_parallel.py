@@ -29,8 +29,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from zorse_lightning.errors import PlanningError
@@ -214,3 +215,9 @@ def require_block_plan(
             f"the plan's tensor_parallel={degree} cannot run: {choice.reason}; or use tensor_parallel=1 for this stage"
         )
     return choice.plan
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight, gradient or saved tensor split over a TP group (the tensor itself when not
+    split): what is counted, bucketed, normed and updated outside autograd (a DTensor's own ops communicate)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
