@@ -2,8 +2,8 @@
 
 Four gloo processes start once and run every case (under the rules mode the tests set, NCCL's lazy
 communicators included): the project's GPT, Hugging Face Llama and Qwen2 from tiny configs (never downloaded),
-at TP 2 alone, TP 2 x 2 pipeline stages, and TP 2 x data parallel 2 with uneven microbatch shares, with
-global-norm clipping and optimizer-state sharding; and a degree that does not divide the heads, refused on every
+at TP 2 alone, TP 2 x 2 pipeline stages (also interleaved), and TP 2 x data parallel 2 with uneven microbatch
+shares, with global-norm clipping and optimizer-state sharding in uneven shares; and a degree that does not divide the heads, refused on every
 rank. Each rank trains the single-process reference itself and
 compares its local slice of each split weight (and each weight it holds whole) with it, and the losses.
 """
@@ -51,6 +51,9 @@ class Case:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     sharding: Sharding = Sharding.NONE
     clip: float | None = None
+    fractions: tuple[float, ...] = ()
+    """Each rank's share of the optimizer state (its replica's, repeated on its TP ranks)."""
+    interleave: int = 1
 
 
 CASES = [
@@ -59,7 +62,11 @@ CASES = [
     Case("gpt_tp2_dp2_uneven", "gpt", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
     Case(
         "gpt_tp2_dp2_uneven_optimizer_sharded", "gpt", (((0, 1, 2, 3), (1, 1, 3, 3), (0, 4)),),
-        sharding=Sharding.OPTIMIZER, clip=0.05,
+        sharding=Sharding.OPTIMIZER, clip=0.05, fractions=(0.7, 0.7, 0.3, 0.3),
+    ),
+    Case(
+        "gpt_tp2_interleaved_two_groups", "gpt",
+        tuple(((0, 1) if i % 2 == 0 else (2, 3), (4, 4), (i, i + 1)) for i in range(4)), interleave=2, clip=0.05,
     ),
     Case("llama_tp2_two_stages_gpipe", "llama", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), schedule=Schedule.GPIPE),
     Case("qwen2_tp2_dp2_uneven", "qwen2", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
@@ -71,13 +78,14 @@ def _plan(case: Case) -> Plan:
     stages = tuple(
         StagePlan(
             ranks=ranks, gpu_types=("cpu",) * len(ranks), machines=("localhost",) * len(ranks), layers=layers,
-            microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=2,
+            microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=2, shard_fractions=case.fractions,
         )
         for ranks, counts, layers in case.stages
     )
     microbatches = stages[0].num_microbatches
     return Plan(
-        "test", "test", 4, WORLD, microbatches * MICROBATCH, MICROBATCH, case.schedule, stages, idle_ranks=case.idle
+        "test", "test", 4, WORLD, microbatches * MICROBATCH, MICROBATCH, case.schedule, stages, idle_ranks=case.idle,
+        interleave=case.interleave,
     )
 
 
