@@ -110,3 +110,11 @@ def test_checkpoints_of_the_fused_qkv_still_load():
     for index, name in enumerate("qkv"):
         assert torch.equal(getattr(attention, name).weight, fused["qkv.weight"][32 * index : 32 * (index + 1)])
         assert torch.equal(getattr(attention, name).bias, fused["qkv.bias"][32 * index : 32 * (index + 1)])
+
+
+def test_heads_bind_only_where_attention_is_split():
+    """A plan that splits the MLP alone runs at a degree the heads do not divide (the attention stays whole)."""
+    model = GPT(width=32, heads=1, layers=2)
+    blocks = find_block_list(model)
+    assert tensor_parallel_choice(model, blocks, 2, given={"mlp.0": "colwise", "mlp.2": "rowwise"}).degree == 2
+    assert "attn.heads=1" in tensor_parallel_choice(model, blocks, 2).reason

@@ -130,10 +130,13 @@ def _matched(block: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in block.named_modules() if name and fnmatch.fnmatchcase(name, key)]
 
 
-def _heads(block: nn.Module) -> dict[str, int]:
-    """Head counts the block's attention reads: ``{where: count}``."""
+def _heads(block: nn.Module, split: set[str]) -> dict[str, int]:
+    """Head counts read by the submodules around the ``split`` ones (an attention whose projections are split):
+    ``{where: count}``."""
     counts, seen = {}, set()
     for name, module in block.named_modules():
+        if not any(n == name or n.startswith(f"{name}.") or not name for n in split):
+            continue
         for owner, label in ((module, name or "<block>"), (getattr(module, "config", None), f"{name or '<block>'}.config")):
             if owner is None or id(owner) in seen:  # a config shared by several submodules: once
                 continue
@@ -147,7 +150,7 @@ def _heads(block: nn.Module) -> dict[str, int]:
 
 def plan_problems(block: nn.Module, plan: BlockTensorPlan, degree: int) -> list[str]:
     """Why ``plan`` cannot split ``block`` over ``degree`` ranks (empty: it can)."""
-    problems = []
+    problems, split = [], set()
     for key, style in plan.styles.items():
         if isinstance(style, str) and style not in HF_STYLES:
             problems.append(
@@ -159,6 +162,7 @@ def plan_problems(block: nn.Module, plan: BlockTensorPlan, degree: int) -> list[
         if not matched:
             problems.append(f"key {key!r} of {plan.source} names no module of the block ({type(block).__name__})")
         for name, module in matched:
+            split.add(name)
             if not isinstance(module, (nn.Linear, nn.Embedding)):
                 problems.append(
                     f"{name!r} is a {type(module).__name__}; torch's column- and row-wise styles split nn.Linear and "
@@ -172,7 +176,7 @@ def plan_problems(block: nn.Module, plan: BlockTensorPlan, degree: int) -> list[
                     f"{name!r} splits {width} {'inputs' if rowwise else 'outputs'} over tensor_parallel={degree}, which "
                     f"does not divide them"
                 )
-    for where, count in _heads(block).items():
+    for where, count in _heads(block, split).items():
         if count % degree:
             problems.append(f"{where}={count} is not divisible by tensor_parallel={degree}")
     return problems
