@@ -2,8 +2,8 @@
 
 Four gloo processes start once and run every case (under the rules mode the tests set, NCCL's lazy
 communicators included): the project's GPT, Hugging Face Llama and Qwen2 from tiny configs (never downloaded),
-at TP 2 alone, TP 2 x 2 pipeline stages (also interleaved), and TP 2 x data parallel 2 with uneven microbatch
-shares, with global-norm clipping and optimizer-state sharding in uneven shares; and a degree that does not divide the heads, refused on every
+at TP 2 alone, TP 2 x 2 pipeline stages (also interleaved, and stages of TP 2 and TP 1 either way round), and
+TP 2 x data parallel 2 with uneven microbatch shares, with global-norm clipping and optimizer-state sharding in uneven shares; and a degree that does not divide the heads, refused on every
 rank. Each rank trains the single-process reference itself and
 compares its local slice of each split weight (and each weight it holds whole) with it, and the losses.
 """
@@ -46,7 +46,9 @@ class Case:
     name: str
     model: str
     stages: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]], ...]
-    """(ranks replica by replica, microbatches per rank, layers) per stage, all at TP 2."""
+    """(ranks replica by replica, microbatches per rank, layers) per stage."""
+    degrees: tuple[int, ...] = ()
+    """Each stage's TP degree (empty: 2 everywhere)."""
     idle: tuple[int, ...] = ()
     schedule: Schedule = Schedule.ONE_F_ONE_B
     sharding: Sharding = Sharding.NONE
@@ -71,6 +73,12 @@ CASES = [
     Case("llama_tp2_two_stages_gpipe", "llama", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), schedule=Schedule.GPIPE),
     Case("qwen2_tp2_dp2_uneven", "qwen2", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
     Case("llama_tp2_alone", "llama", (((2, 3), (4, 4), (0, 4)),), idle=(0, 1)),
+    # degrees differ: the GPT's tied embedding sums over all ranks of both stages, each part over its degree
+    Case("gpt_tp2_then_two_replicas_3_5", "gpt", (((0, 1), (8, 8), (0, 2)), ((2, 3), (3, 5), (2, 4))), degrees=(2, 1), clip=0.05),
+    Case(
+        "llama_two_replicas_5_3_then_tp2", "llama", (((0, 1), (5, 3), (0, 2)), ((2, 3), (8, 8), (2, 4))), degrees=(1, 2),
+        schedule=Schedule.GPIPE,
+    ),
 ]
 
 
@@ -78,9 +86,9 @@ def _plan(case: Case) -> Plan:
     stages = tuple(
         StagePlan(
             ranks=ranks, gpu_types=("cpu",) * len(ranks), machines=("localhost",) * len(ranks), layers=layers,
-            microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=2, shard_fractions=case.fractions,
+            microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=degree, shard_fractions=case.fractions,
         )
-        for ranks, counts, layers in case.stages
+        for (ranks, counts, layers), degree in zip(case.stages, case.degrees or (2,) * len(case.stages))
     )
     microbatches = stages[0].num_microbatches
     return Plan(
@@ -232,7 +240,7 @@ def test_slices_and_losses_match_single_process(results, case):
         if rank in plan.idle_ranks:
             assert run["compared"] == 0
             continue
-        assert run["compared"] > 0 and run["split"], (rank, run)
+        assert run["compared"] > 0 and bool(run["split"]) == (plan.stages[plan.stage_of_rank(rank)].tensor_parallel > 1), (rank, run)
         assert run["max_param_diff"] < 1e-5, (rank, run)
         assert run["loss_diff"] < 1e-5, (rank, run)
         assert run["evaluated_diff"] < 1e-5, (rank, run)

@@ -1,15 +1,13 @@
-"""What the engine does not run with tensor parallelism yet is refused before any group exists, naming the value
-and the fix: sharding that moves whole parameters, activation offload, TP degrees that differ between stages."""
+"""What the engine does not run with tensor parallelism yet is refused before any collective, naming the value
+and the fix: sharding that moves whole parameters, activation offload."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
-import torch.distributed as dist
 
 from zorse_lightning.capabilities import Sharding
-from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.engine.tensor_parallel import check_stage
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan, StagePlan
@@ -39,12 +37,3 @@ def test_levels_that_combine_pass():
     for level in (Sharding.NONE, Sharding.OPTIMIZER):
         check_stage(_plan(replace(STAGE, sharding=level, recompute=True)), 0)
 
-
-def test_different_degrees_between_stages_are_refused(monkeypatch):
-    first = replace(STAGE, layers=(0, 2))
-    second = replace(STAGE, ranks=(2,), gpu_types=("cpu",), machines=("localhost",), layers=(2, 4), microbatches_per_rank=(2,), tensor_parallel=1)
-    plan = Plan("test", "test", 4, 3, 4, 2, "1f1b", (first, second))
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 3)
-    with pytest.raises(RuntimeError, match=r"tensor_parallel \[1, 2\].*give every stage the same tensor_parallel"):
-        build_groups(plan, 0)

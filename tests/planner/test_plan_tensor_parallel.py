@@ -108,11 +108,23 @@ def test_tensor_ranks_exchange_with_their_index(schedule):
     assert messages_of(plan, 1, Action(0, ActionKind.FORWARD, 1))[1][0].dst == 7
 
 
-def test_mixed_degrees_between_stages_are_refused_by_the_schedule():
-    plan = _plan(FIRST, replace(SECOND, tensor_parallel=1, microbatches_per_rank=(1, 1, 1, 1)))
-    with pytest.raises(PlanningError, match="tensor_parallel 2 and 1.*same tensor_parallel"):
-        build_schedule(plan)
-
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_of_different_degrees_pair_index_modulo_degree(schedule):
+    """TP 2 then TP 1 (two replicas): TP rank 0 sends the activation, TP rank 1 sends none; each receiving
+    rank sends the gradient back to both; every rank receives one message per action."""
+    second = replace(SECOND, tensor_parallel=1, microbatches_per_rank=(1, 1, 1, 1))
+    plan = _plan(FIRST, second, schedule=schedule)
+    built = build_schedule(plan)
+    assert built.for_rank(0) == built.for_rank(1)
+    forward, backward = Action(0, ActionKind.FORWARD, 0), Action(0, ActionKind.BACKWARD, 0)
+    assert [m.dst for m in messages_of(plan, 0, forward)[1]] == [4]
+    assert messages_of(plan, 1, forward)[1] == []
+    assert [m.src for m in messages_of(plan, 1, backward)[0]] == [4]
+    assert [m.dst for m in messages_of(plan, 4, Action(1, ActionKind.BACKWARD, 0))[1]] == [0, 1]
+    for rank in range(8):
+        for action in built.for_rank(rank):
+            fed = (action.stage == 1) == (action.kind is ActionKind.FORWARD)  # an activation or a gradient comes in
+            assert len(messages_of(plan, rank, action)[0]) == int(fed), (rank, action)
 
 
 def test_a_tp_group_across_machines_of_the_cluster_is_refused():

@@ -127,16 +127,17 @@ class PipelineEngine:
         Only the stage reaches the device: tensors built on the meta device are
         materialized there, host tensors moved; the rest stays meta (no memory).
         """
-        degree = max(stage.tensor_parallel for stage in self.plan.stages)
+        degrees = sorted({stage.tensor_parallel for stage in self.plan.stages} - {1})
         blocks = None
-        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or degree > 1:
+        if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or degrees:
             blocks = find_block_list(self.module, self.block_path)
         split = None
-        if degree > 1:  # checked on every rank, idle ones too: all refuse together, none waits for the others
-            for index in range(len(self.plan.stages)):
-                tensor_parallel.check_stage(self.plan, index)
-            block_plan = require_block_plan(self.module, blocks, degree, self.tp_plan)
-            split = block_plan if self._splits else None
+        # checked on every rank, idle ones too: all refuse together, none waits for the others
+        for index in range(len(self.plan.stages)):
+            tensor_parallel.check_stage(self.plan, index)
+        block_plans = {t: require_block_plan(self.module, blocks, t, self.tp_plan) for t in degrees}
+        if self._splits:
+            split = block_plans[self.groups.stage.tensor_parallel]
         if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
             self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
             for index, block in enumerate(blocks.blocks):
@@ -422,7 +423,8 @@ class PipelineEngine:
         try:
             output = step_fn(micro, j)
         except StageOutput as end:
-            self.transport.stage(sends[0], end.output)
+            for message in sends:  # none on a TP rank whose index feeds no rank of the next stage's replica
+                self.transport.stage(message, end.output)
             return received, end.output
         finally:
             if self.cut is not None:
@@ -445,8 +447,8 @@ class PipelineEngine:
                 torch.autograd.backward(output)
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
-        if sends:
-            self.transport.stage(sends[0], received.grad)
+        for message in sends:
+            self.transport.stage(message, received.grad)
 
     # -- between backward and optimizer step --------------------------------------------
 

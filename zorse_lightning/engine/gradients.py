@@ -220,6 +220,9 @@ class OverlappedReduction:
         self._in_flight = []
         for holders, params in self.shared:
             flat = _flat_gradients(params)
+            scale = self.groups.shared_scale(holders)
+            if scale != 1.0:
+                flat.mul_(scale)
             dist.all_reduce(flat, group=self.groups.call(self.groups.group_for_stages(holders), "the shared weights' reduction"))
             _unflatten_into_gradients(flat, params)
 

@@ -15,8 +15,10 @@ never wait on a rank that holds none of its weights.
 A stage with TP degree t > 1 has no stage-wide group: its ranks sum gradients
 with the replicas' ranks of their own TP index (which hold the same slices; over
 the whole stage a replicated weight would be summed t times), and a weight
-shared by stages (a tied embedding) likewise per TP index. Its TP groups are
-made after every data-parallel group, in the stages' and replicas' order.
+shared by stages (a tied embedding) likewise per TP index where the stages
+have one degree, else over all of their ranks, each part scaled by one over
+its rank's degree (:meth:`StageGroups.shared_scale`). TP groups are made
+last, in the stages' and replicas' order.
 """
 
 from __future__ import annotations
@@ -127,6 +129,14 @@ class StageGroups:
         """Each of :attr:`data_ranks`' share of the state sharded over them (summing to 1)."""
         return self.stage.effective_shard_fractions()[self.tensor_index :: self.stage.tensor_parallel]
 
+    def shared_scale(self, stages: frozenset[int]) -> float:
+        """What this rank's gradient of a weight ``stages`` share is scaled by before it is summed over their
+        group: 1, or where their TP degrees differ (the group is all of their ranks, and every rank of a TP group
+        holds the same gradient) one over this rank's degree, so that each replica counts once (exact where the
+        degree is a power of two, within a rounding otherwise)."""
+        degrees = {self.plan.stages[s].tensor_parallel for s in stages}
+        return 1.0 if len(degrees) == 1 else 1.0 / self.stage.tensor_parallel
+
     def group_for_stages(self, stages: frozenset[int]) -> dist.ProcessGroup:
         """The group of all ranks of ``stages`` (which must include this rank's stage; under TP, those of
         this rank's TP index)."""
@@ -155,13 +165,6 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
             f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} processes were launched; "
             f"launch {plan.world_size} processes or plan for {dist.get_world_size()}"
         )
-    degrees = sorted({stage.tensor_parallel for stage in plan.stages})
-    if len(degrees) > 1:
-        raise RuntimeError(
-            f"the plan's stages have tensor_parallel {degrees}; the engine runs one TP degree on every stage so far: "
-            f"give every stage the same tensor_parallel"
-        )
-    t = degrees[0]
     in_order = [(tuple(range(plan.world_size)), dist.group.WORLD)]
 
     def made(ranks) -> dist.ProcessGroup | None:
@@ -174,16 +177,24 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
         return next((g for i, g in enumerate(by_index) if rank in ranks_of(i)), None)
 
     data_groups = [
-        mine([made(stage.data_ranks(i)) for i in range(t)], stage.data_ranks) for stage in plan.rank_groups
+        mine([made(stage.data_ranks(i)) for i in range(stage.tensor_parallel)], stage.data_ranks)
+        for stage in plan.rank_groups
     ]
     shared = {}
     for stages in shared_stage_sets(plan):
+        degrees = {plan.stages[s].tensor_parallel for s in stages}
+        if len(degrees) > 1:  # no TP index spans them all: every rank joins, its part scaled (shared_scale)
+            everyone = sorted(r for s in stages for r in plan.stages[s].ranks)
+            group = made(everyone)
+            shared[stages] = group if rank in everyone else None
+            continue
+
         def ranks_of(i: int, stages=stages) -> list[int]:
             return sorted(r for s in stages for r in plan.stages[s].data_ranks(i))
 
-        shared[stages] = mine([made(ranks_of(i)) for i in range(t)], ranks_of)
+        shared[stages] = mine([made(ranks_of(i)) for i in range(degrees.pop())], ranks_of)
     pipeline = made(range(plan.world_size)) if len(plan.stages) > 1 else None
-    tensor_groups = {replica: made(replica) for stage in plan.rank_groups for replica in stage.replicas} if t > 1 else {}
+    tensor_groups = {replica: made(replica) for stage in plan.rank_groups for replica in stage.replicas if len(replica) > 1}
     lazy = LazyCommunicators()
     if rank in plan.idle_ranks:
         return StageGroups(plan, rank, None, None, {}, pipeline, tuple(in_order), lazy)

@@ -16,9 +16,10 @@ accumulates into it in place.
 
 What combines with TP so far (:func:`check_stage`): sharding ``none`` and
 ``optimizer`` (shards over the replicas' ranks of one TP index hold local
-slices), recomputation; one TP degree on every stage. The random state agrees across each TP group from setup on
-(:func:`agree_random_state`): a dropout on replicated activations draws one mask on every rank of the group;
-one inside a split part draws the same mask for each rank's heads. Checkpoints hold whole tensors
+slices), recomputation, stages of different degrees (:func:`~zorse_lightning.planner.actions.messages_of`
+pairs their TP ranks). The random state agrees across each TP group from setup on (:func:`agree_random_state`):
+a dropout on replicated activations draws one mask on every rank of the group; one inside a split part draws
+the same mask for each rank's heads. Checkpoints hold whole tensors
 (gathered over the TP group as they are written; optimizer state cut again as it is read), so a checkpoint
 resumes on a plan with or without TP.
 """
@@ -35,9 +36,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.tensor_parallel import BlockTensorPlan, local
-
-__all__ = ["agree_random_state", "as_gradient", "check_stage", "is_split", "like_parameter", "local", "mesh_of", "parallelize_block"]
 from zorse_lightning.planner.plan import Plan
+
+__all__ = [
+    "agree_random_state", "as_gradient", "check_stage", "is_split", "like_parameter", "local", "mesh_of",
+    "parallelize_block",
+]
 
 TP_SHARDING = (Sharding.NONE, Sharding.OPTIMIZER)
 """Sharding levels a stage with TP runs (the others move whole parameters between owners, not local slices)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.plan import Plan
 
 
@@ -55,26 +54,28 @@ class Message:
 
 
 def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:
-    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership: to and from the
-    rank of the same TP index in the replica of the neighbouring stage that runs the microbatch (every rank of
-    a TP group holds the whole activation)."""
+    """(receives before, sends after) the action on ``rank``, routed by microbatch ownership.
+
+    Every rank of a TP group holds the whole activation. Between stages of TP degrees ``a`` and ``b``, TP rank
+    ``q`` of the receiving replica takes the activation from TP rank ``q mod a`` of the sending one, and TP rank
+    ``p`` of the sending replica takes the gradient from TP rank ``p mod b`` of the receiving one: each rank
+    receives one message, and sends to every rank its index feeds (none, one, or several)."""
     last = len(plan.stages) - 1
     j, s = action.microbatch, action.stage
-    index = plan.stages[s].tensor_index(rank)
+    mine = plan.stages[s]
+    index = mine.tensor_index(rank)
 
-    def peer(stage: int) -> int:
-        if plan.stages[stage].tensor_parallel != plan.stages[s].tensor_parallel:
-            raise PlanningError(
-                f"stages {min(s, stage)} and {max(s, stage)} have tensor_parallel {plan.stages[min(s, stage)].tensor_parallel} "
-                f"and {plan.stages[max(s, stage)].tensor_parallel}: pipelines run with one TP degree on every stage so "
-                f"far; give every stage the same tensor_parallel"
-            )
-        return plan.stages[stage].peer_of_microbatch(j, index)
+    def from_(stage: int) -> int:
+        return plan.stages[stage].peer_of_microbatch(j, index % plan.stages[stage].tensor_parallel)
+
+    def to(stage: int) -> list[int]:
+        other = plan.stages[stage]
+        return [other.peer_of_microbatch(j, q) for q in range(index, other.tensor_parallel, mine.tensor_parallel)]
 
     if action.kind is ActionKind.FORWARD:
-        recv = [Message(peer(s - 1), rank, action.kind, j, s - 1)] if s > 0 else []
-        send = [Message(rank, peer(s + 1), action.kind, j, s)] if s < last else []
+        recv = [Message(from_(s - 1), rank, action.kind, j, s - 1)] if s > 0 else []
+        send = [Message(rank, dst, action.kind, j, s) for dst in to(s + 1)] if s < last else []
     else:
-        recv = [Message(peer(s + 1), rank, action.kind, j, s)] if s < last else []
-        send = [Message(rank, peer(s - 1), action.kind, j, s - 1)] if s > 0 else []
+        recv = [Message(from_(s + 1), rank, action.kind, j, s)] if s < last else []
+        send = [Message(rank, dst, action.kind, j, s - 1) for dst in to(s - 1)] if s > 0 else []
     return recv, send
