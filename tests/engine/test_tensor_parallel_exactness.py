@@ -2,14 +2,15 @@
 
 Four gloo processes start once and run every case (under the rules mode the tests set, NCCL's lazy
 communicators included): the project's GPT, Hugging Face Llama and Qwen2 from tiny configs (never downloaded),
-at TP 2 alone, TP 2 x 2 pipeline stages (also interleaved, and stages of TP 2 and TP 1 either way round), and
-TP 2 x data parallel 2 with uneven microbatch shares, with global-norm clipping and optimizer-state sharding in uneven shares; and a degree that does not divide the heads, refused on every
+at TP 2 alone, TP 2 x 2 pipeline stages (also interleaved, recomputing, built on the meta device, and stages of
+TP 2 and TP 1 either way round), and TP 2 x data parallel 2 with uneven microbatch shares, with global-norm clipping and optimizer-state sharding in uneven shares; and a degree that does not divide the heads, refused on every
 rank. Each rank trains the single-process reference itself and
 compares its local slice of each split weight (and each weight it holds whole) with it, and the losses.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.engine.host_group import broadcast_module
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
+from zorse_lightning.module.materialize import InitialValues, materialize
 from zorse_lightning.planner.plan import Plan, StagePlan
 
 transformers = pytest.importorskip("transformers")
@@ -56,6 +58,9 @@ class Case:
     fractions: tuple[float, ...] = ()
     """Each rank's share of the optimizer state (its replica's, repeated on its TP ranks)."""
     interleave: int = 1
+    recompute: bool = False
+    meta: bool = False
+    """Built on the meta device: each rank places one block, splits it, then places the next."""
 
 
 CASES = [
@@ -73,6 +78,9 @@ CASES = [
     Case("llama_tp2_two_stages_gpipe", "llama", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), schedule=Schedule.GPIPE),
     Case("qwen2_tp2_dp2_uneven", "qwen2", (((0, 1, 2, 3), (3, 3, 1, 1), (0, 4)),), clip=0.05),
     Case("llama_tp2_alone", "llama", (((2, 3), (4, 4), (0, 4)),), idle=(0, 1)),
+    # built on the meta device, the optimizer made after prepare (an id of a replaced parameter is reused)
+    Case("gpt_meta_tp2_two_stages", "gpt", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), meta=True),
+    Case("gpt_tp2_two_stages_recompute", "gpt", (((0, 1), (4, 4), (0, 2)), ((2, 3), (4, 4), (2, 4))), recompute=True),
     # degrees differ: the GPT's tied embedding sums over all ranks of both stages, each part over its degree
     Case("gpt_tp2_then_two_replicas_3_5", "gpt", (((0, 1), (8, 8), (0, 2)), ((2, 3), (3, 5), (2, 4))), degrees=(2, 1), clip=0.05),
     Case(
@@ -87,6 +95,7 @@ def _plan(case: Case) -> Plan:
         StagePlan(
             ranks=ranks, gpu_types=("cpu",) * len(ranks), machines=("localhost",) * len(ranks), layers=layers,
             microbatches_per_rank=counts, sharding=case.sharding, tensor_parallel=degree, shard_fractions=case.fractions,
+            recompute=case.recompute,
         )
         for (ranks, counts, layers), degree in zip(case.stages, case.degrees or (2,) * len(case.stages))
     )
@@ -113,11 +122,14 @@ class HuggingFace(nn.Module):
         return F.cross_entropy(self.model(input_ids=x).logits.flatten(0, 1), y.flatten())
 
 
-def _model(case: Case) -> nn.Module:
+def _model(case: Case, placed: bool = False) -> nn.Module:
+    """The case's model; ``placed``: one built on the meta device materialized whole (the reference)."""
     torch.manual_seed(0)
-    if case.model == "gpt":
-        return GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2, learning_rate=1e-2)
-    return HuggingFace(case.model)
+    with torch.device("meta") if case.meta else nullcontext():
+        model = GPT(vocab_size=VOCAB, seq_len=SEQ, width=32, layers=4, heads=2) if case.model == "gpt" else HuggingFace(case.model)
+    if case.meta and placed:
+        materialize(model, "cpu", seed=0)
+    return model
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -131,7 +143,7 @@ def _batches(count: int, size: int):
 
 
 def _reference(case: Case, batches):
-    model = _model(case)
+    model = _model(case, placed=True)
     optimizer = _optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -163,9 +175,10 @@ def _run_case(rank: int, case: Case) -> dict:
     plan = _plan(case)
     batches = _batches(STEPS, plan.global_batch_size)
     model = _model(case)
-    broadcast_module(model)
+    if not case.meta:
+        broadcast_module(model)
     groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
-    engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES)
+    engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES, initial=InitialValues(seed=0))
     share = groups.stage.microbatch_ranges()[rank] if not groups.is_idle else range(0)
     rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
     local = lambda batch: (batch[0][rows], batch[1][rows])

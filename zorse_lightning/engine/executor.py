@@ -14,6 +14,7 @@ the loss, the global gradient norm.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -96,9 +97,12 @@ class PipelineEngine:
         self.sharded: ShardedStage | None = None
         self.reduction: gradients.OverlappedReduction | None = None
         self._holders: dict[int, frozenset[int]] = {}
-        self._replaced: dict[int, nn.Parameter] = {}
-        """Parameters given a new tensor on the device at :meth:`prepare` (old id -> new): optimizers made
-        before it still name the old ones."""
+        self._replaced: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        """Parameters given a new tensor at :meth:`prepare` (placed on the device, then split over a TP group):
+        old id -> (the old one, weakly: its id means it only while it lives; the one now in its place). Optimizers
+        made before it still name the old ones."""
+        self._leading_to: dict[int, list[int]] = {}
+        """Id of a parameter now in place -> the ids in :attr:`_replaced` that lead to it."""
         self._prepared = False
         self._local: list[nn.Parameter] | None = None
         """:meth:`local_parameters` once the stage is placed."""
@@ -236,14 +240,17 @@ class PipelineEngine:
         if id(old) not in self._holders:
             return
         self._holders[id(new)] = self._holders.pop(id(old))
-        self._replaced[id(old)] = new
+        leading = [*self._leading_to.pop(id(old), []), id(old)]
+        for key in leading:  # a replaced one replaced again (meta, placed, split) leads to the last
+            self._replaced[key] = (self._replaced[key][0] if key != id(old) else weakref.ref(old), new)
+        self._leading_to[id(new)] = leading
 
     def _current(self, param: nn.Parameter) -> nn.Parameter:
-        """The parameter that now stands where ``param`` stood (replaced on the device, then split over a TP
-        group: each replacement is kept alive by the map, so no id in the chain is reused)."""
-        while id(param) in self._replaced:
-            param = self._replaced[id(param)]
-        return param
+        """The parameter that now stands where ``param`` stood (itself if none replaced it). Replaced ones are not
+        kept alive (a block's whole weights, once split, would stay in memory), so an id counts only while the
+        object it was taken of lives: a freed one's id may be a new parameter's."""
+        entry = self._replaced.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else param
 
     def _whole_fits_probe(self) -> bool:
         """Whether the probe may run the whole module: already real on this device (an eager module on a CPU
