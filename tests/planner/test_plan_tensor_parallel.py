@@ -144,3 +144,30 @@ def test_a_tp_group_across_machines_of_the_cluster_is_refused():
     across = replace(stage, ranks=(0, 2, 1, 3))
     with pytest.raises(PlanningError, match=r"ranks \[0, 2\] one TP group .* on machines \['m0', 'm1'\].*lives on one machine"):
         check_plan(Plan("tiny", inventory.name, 4, 4, 16, 2, "1f1b", (across,)), inventory)
+
+
+def test_the_state_a_tp_rank_must_hold_is_its_share():
+    """Three blocks of 4.9 M weights need 0.22 GiB of float32 Adam state: over a 0.16 GiB T4 alone, within
+    it split over two."""
+    from zorse_lightning.cluster.config import load_cluster
+    from zorse_lightning.planner.plan_check import ModelBlocks, check_plan
+
+    inventory = load_cluster({
+        "name": "t4_pairs", "emulated": True,
+        "machines": [{"name": name, "gpus": [{"type": "t4", "count": 2, "memory_gib": 0.16}]} for name in ("m0", "m1")],
+    })
+    blocks = ModelBlocks("GPT", parameters=(4_923_520,) * 4)
+
+    def plan(degree: int) -> Plan:
+        stages = tuple(
+            StagePlan(
+                ranks=ranks, gpu_types=("t4",) * 2, machines=(machine,) * 2, layers=layers,
+                microbatches_per_rank=(4, 4) if degree == 2 else (2, 2), tensor_parallel=degree,
+            )
+            for ranks, machine, layers in (((0, 1), "m0", (0, 3)), ((2, 3), "m1", (3, 4)))
+        )
+        return Plan("GPT", inventory.name, 4, 4, 8, 2, "1f1b", stages)
+
+    check_plan(plan(2), inventory, blocks)
+    with pytest.raises(PlanningError, match=r"stage 0 \(blocks 0-2\) needs at least 0.22 GiB"):
+        check_plan(plan(1), inventory, blocks)

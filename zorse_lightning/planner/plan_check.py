@@ -127,12 +127,13 @@ def _check_cut(plan: Plan, blocks: ModelBlocks, inventory: ClusterInventory | No
 
 def _check_state_fits(plan: Plan, blocks: ModelBlocks, inventory: ClusterInventory) -> None:
     """Weights, gradients and optimizer state of a rank's blocks alone (a lower bound of its memory),
-    summed over its stages (several when interleaved)."""
+    summed over its stages (several when interleaved); a rank of a TP group counts its share of them (it holds
+    at least that: the parts its group does not split are whole on every rank)."""
     dtype = blocks.dtype if blocks.dtype != "float64" else "float32"
     need_gib: dict[int, float] = {}
     held: dict[int, list[str]] = {}
     for stage in plan.stages:
-        parameters = sum(blocks.parameters[slice(*stage.layers)])
+        parameters = sum(blocks.parameters[slice(*stage.layers)]) / stage.tensor_parallel
         whole, sharded = stage_state_bytes(parameters, dtype, stage.sharding)
         fractions = stage.effective_shard_fractions() if stage.sharding is not Sharding.NONE else (0.0,) * len(stage.ranks)
         for rank, fraction in zip(stage.ranks, fractions):
