@@ -23,6 +23,21 @@ class Sharding(str, Enum):
     FULL = "full"
 
 
+class P2PRules(str, Enum):
+    """The rules a run's point-to-point messages keep, which the planner's simulation plays
+    (:mod:`zorse_lightning.planner.cost.simulate`).
+
+    * ``gloo``: gloo's own, on a run of CPU ranks: a send is posted and left, and a message moves once
+      its receiver waits for it;
+    * ``nccl``: NCCL's, on every run on GPUs, and on a gloo run under ``ZORSE_P2P_RULES=nccl``
+      (:mod:`zorse_lightning.engine.p2p_rules`): a rank's batches of messages run one at a time, in posting
+      order, on one stream, and a send completes only together with the peer's matching receive.
+    """
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
 SUPPORTED_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
 SUPPORTED_SHARDING: tuple[Sharding, ...] = (
     Sharding.NONE,

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from zorse_lightning.apps.hydra_support import CONF_DIR, USER_ERROR_EXIT_CODE, register_schemas
 from zorse_lightning.apps.planner_options import planner_options_from_config
-from zorse_lightning.capabilities import Schedule
+from zorse_lightning.capabilities import P2PRules, Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.options import PlannerOptions
 
@@ -37,10 +37,10 @@ def test_shipped_defaults_are_the_dataclass_defaults() -> None:
 def test_command_line_values_arrive_typed() -> None:
     cfg = _plan_config(
         "planner.schedule=gpipe", "planner.microbatch_size=4", "planner.layer_counts=[20,12]",
-        "planner.stage_layout=[[0,1,2,3],[4,5,6,7]]", "planner.solver_time_limit_s=5",
+        "planner.stage_layout=[[0,1,2,3],[4,5,6,7]]", "planner.solver_time_limit_s=5", "planner.p2p_rules=nccl",
     )
     options = planner_options_from_config(cfg.planner)
-    assert options.schedule is Schedule.GPIPE and options.microbatch_size == 4
+    assert options.schedule is Schedule.GPIPE and options.microbatch_size == 4 and options.p2p_rules is P2PRules.NCCL
     assert options.layer_counts == (20, 12) and options.stage_layout == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert options.solver_time_limit_s == 5.0
 
@@ -93,6 +93,7 @@ def test_plan_app_refuses_a_misspelt_option_with_exit_2(run_app, tmp_path: Path,
         (dict(stage_layout=[[0, -1]]), "stage_layout holds [-1]", "integers of at least 0", "fix or remove"),
         (dict(layer_counts=[20, 0]), "layer_counts holds [0]", "integers of at least 1", "fix or remove"),
         (dict(schedule="interleaved"), "schedule='interleaved'", "not a schedule the engine runs", "use one of ['1f1b', 'gpipe']"),
+        (dict(p2p_rules="mpi"), "p2p_rules='mpi'", "not a set of point-to-point rules", "use one of ['gloo', 'nccl']"),
     ],
 )
 def test_bad_values_are_refused_with_the_rule_and_the_fix(values: dict, value: str, rule: str, fix: str) -> None:

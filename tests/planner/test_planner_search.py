@@ -120,8 +120,11 @@ def test_slow_link_falls_between_stages() -> None:
 
 
 def test_json_round_trip_of_a_planned_plan(tmp_path: Path) -> None:
-    _, _, plan = _planned("mix32_4types", allow_idle_ranks=True)
-    assert plan.idle_ranks  # the T4s behind slow links
+    inventory = load_cluster("mix32_4types")
+    # gloo's play of the messages leaves the T4s behind slow links idle (NCCL's, the cluster's own, hides
+    # more of their transfers under compute and uses them)
+    plan = make_plan(inventory, profile_for(inventory), GLOBAL_BATCH, PlannerOptions(allow_idle_ranks=True, p2p_rules="gloo"))
+    assert plan.idle_ranks
     assert Plan.from_json(plan.to_json()) == plan
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
@@ -134,9 +137,12 @@ def test_pins_are_respected() -> None:
         stage_layout=[[4, 5, 6, 7], [0, 1, 2, 3]], layer_counts=[8, 16], microbatch_size=2, schedule="gpipe"
     )
     plan = make_plan(inventory, profile, GLOBAL_BATCH, options)
-    assert [s.ranks for s in plan.stages] == [(4, 5, 6, 7), (0, 1, 2, 3)]
-    assert [s.layers for s in plan.stages] == [(0, 8), (8, 24)]
+    groups = [g.ranks for g in plan.rank_groups]
+    assert groups == [(4, 5, 6, 7), (0, 1, 2, 3)]
+    assert [sum(s.num_layers for s in plan.stages if s.ranks == g) for g in groups] == [8, 16]
     assert plan.microbatch_size == 2 and plan.schedule is Schedule.GPIPE
+    plain = make_plan(inventory, profile, GLOBAL_BATCH, replace(options, max_interleave=1))
+    assert [s.layers for s in plain.stages] == [(0, 8), (8, 24)]
 
 
 def test_data_parallel_only_says_why() -> None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from zorse_lightning.capabilities import Schedule
+from zorse_lightning.capabilities import P2PRules, Schedule
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.inventory import Latencies
 from zorse_lightning.cluster.config import load_cluster
@@ -147,7 +147,7 @@ def test_a_message_moves_when_its_receiver_is_free() -> None:
     behind the gradient it has just sent: the last stage waits for both between its microbatches,
     and the closed form prices that wait (receiving_busy_ms)."""
     profile = replace(_profile(20_000_000), layers=_profile(20_000_000).layers[:3])
-    ctx = CostContext.build(_inventory(), profile)
+    ctx = CostContext.build(_inventory(), profile, p2p_rules=P2PRules.GLOO)
     # stage 0: embedding + layer 0 (6 ms a microbatch); stage 1: layers 1-2 + head (9 ms), the busiest
     plan = Plan("sim", "sim", 3, 5, 8, 1, Schedule.ONE_F_ONE_B, (_stage([0], (0, 1), [8]), _stage([1], (1, 3), [8])),
                 idle_ranks=(2, 3, 4))
@@ -191,7 +191,7 @@ def test_a_header_is_priced_on_activations_only() -> None:
     """The engine sends its host header before an activation and none before a gradient (it has the shape
     of the activation it belongs to): both the closed form's routes and gloo's play price it so."""
     profile = replace(_profile(MESSAGE_BYTES), layers=_profile(MESSAGE_BYTES).layers[:3])
-    ctx = CostContext.build(_near_and_far(header_us=1000.0), profile)
+    ctx = CostContext.build(_near_and_far(header_us=1000.0), profile, p2p_rules=P2PRules.GLOO)
     plan = _three_stages()
     slow_ms = 0.020 + MESSAGE_BYTES / (0.1e9 / 8 * 0.95) * 1e3
     assert plan_cost(ctx, plan).boundaries[1].route_ms == (pytest.approx((slow_ms + 1.0, slow_ms)),)
@@ -200,3 +200,27 @@ def test_a_header_is_priced_on_activations_only() -> None:
     gradients = [e.end_ms - e.start_ms for e in crossing if e.rank == 2]
     assert activations == pytest.approx([slow_ms + 1.0] * 2) and gradients == pytest.approx([slow_ms] * 2)
 
+
+def test_under_nccls_rules_a_fast_receive_waits_for_a_slow_send_on_its_stream() -> None:
+    """Rank 1 receives its second activation from rank 0 over 100 Gb/s in the batch that sends its first
+    to rank 2 over 100 Mbit/s (the schedule's batches: planner.p2p_batches). Under NCCL's rules the batch
+    completes with its slow send, so rank 1's second forward waits for it; under gloo's it waits only for
+    its own receive.
+
+    By hand (fast 0.015 ms, slow 10.546 ms): rank 0 forwards microbatch 0 in [0, 2] and 1 in [2, 4];
+    gloo: rank 1 forwards 0 from 2 + fast and 1 from 4 + fast. NCCL: rank 1's host posts its first batch
+    (receive 0) and waits there for the activation's header, which rank 0 sends when it posts at 2 (the
+    header costs nothing here); 0 crosses in [2, 2 + fast], rank 1 forwards it in [2 + fast, 3 + fast] and
+    posts its second batch (send 0 to rank 2, receive 1), which waits for rank 0's header of 1 at 4: both
+    messages move from 4, and the batch completes at 4 + slow, when rank 1 forwards 1."""
+    profile = replace(_profile(MESSAGE_BYTES), layers=_profile(MESSAGE_BYTES).layers[:3])
+    plan = _three_stages()
+    fast_ms = 0.005 + MESSAGE_BYTES / (100e9 / 8 * 0.95) * 1e3
+    slow_ms = 0.020 + MESSAGE_BYTES / (0.1e9 / 8 * 0.95) * 1e3
+    starts = {}
+    for rules in P2PRules:
+        timeline = simulate(CostContext.build(_near_and_far(), profile, p2p_rules=rules), plan)
+        _check_schedule_rules(plan, timeline)
+        starts[rules] = [e.start_ms for e in timeline.of_rank(1) if e.kind is EventKind.FORWARD]
+    assert starts[P2PRules.GLOO] == pytest.approx([2 + fast_ms, 4 + fast_ms])
+    assert starts[P2PRules.NCCL] == pytest.approx([2 + fast_ms, 4 + slow_ms])

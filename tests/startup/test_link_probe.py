@@ -4,7 +4,7 @@ measurement changes what the planner is told."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -212,3 +212,41 @@ def test_a_slow_link_between_machines_lowers_the_inventory_and_the_header_is_pri
     fast = replace(slow, transfer_ms=0.2, message_us=configured_us / 2, header_us=0.0)
     assert with_measured_rates(inventory, [fast]) is inventory and fast.notes() == []
 
+
+class _ProbedOn(Exception):
+    """Raised by the probe stand-in, holding the host group start-up gave it."""
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What start-up reads of a device's measurement before it probes (gathered: pickled by name)."""
+
+    calibrated_costs: None = None
+    output_bytes_per_sample: int = 64
+    samples: int = 4
+
+
+def test_start_up_probes_the_header_on_the_host_group_the_strategy_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine sends activation headers over the strategy's gloo group, so the probe times them there
+    (it made a group of its own before, on another address and timeout: issue 36)."""
+    from zorse_lightning.planner.options import PlannerOptions
+    from zorse_lightning.startup import plan_at_start
+
+    def probe(*args: object) -> None:
+        raise _ProbedOn(args[-1])
+
+    monkeypatch.setattr(plan_at_start, "measure_on_device", lambda *args, **kwargs: _Measured())
+    monkeypatch.setattr(plan_at_start, "probe_machines", probe)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        host = dist.new_group([0])
+        inputs = plan_at_start.StartupInputs(
+            torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), load_cluster(CLUSTER), rank=0,
+            world_size=1, device=torch.device("cpu"), global_batch_size=4, planner_options=PlannerOptions(),
+            host_group=host,
+        )
+        with pytest.raises(_ProbedOn) as probed:
+            plan_at_start.run_startup(inputs, None, lambda batch: None)
+        assert probed.value.args[0] is host
+    finally:
+        dist.destroy_process_group()

@@ -38,7 +38,7 @@ def _run(cfg: DictConfig) -> None:
     if size_note:
         plan = replace(plan, notes=(*plan.notes, size_note))
     warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     baselines = all_baselines(inventory, profile, int(cfg.global_batch_size), options)
     print_plan(plan, ctx, baselines)
     out = Path(HydraConfig.get().runtime.output_dir)

@@ -119,7 +119,7 @@ def _write_plan_outputs(strategy: ZorseStrategy, output_dir: Path) -> None:
     plan.save(output_dir / "plan.json")
     startup = strategy.startup
     if startup is not None and startup.profile is not None:
-        ctx = CostContext.build(startup.inventory, startup.profile)
+        ctx = CostContext.build(startup.inventory, startup.profile, p2p_rules=startup.p2p_rules)
         Console(width=160).print(plan_table(plan, ctx))
         draw_plan_timeline(plan, ctx, output_dir / "timeline.png")
     for note in plan.notes:  # why the plan looks as it does (no cuts for a module optimising by hand, ...)

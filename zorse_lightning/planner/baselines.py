@@ -43,7 +43,7 @@ def data_parallel_equal(
 ) -> Plan | None:
     """See :func:`.baseline_plans.data_parallel_equal`; the note says the accumulation, e.g.
     ``accumulating 4 microbatches of 8``."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     return _priced(baseline_plans.data_parallel_equal(ctx, global_batch_size, options), ctx)
 
 
@@ -51,7 +51,7 @@ def cephalo(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
     """One stage, microbatches by speed (accumulated), optimizer state sharded by free memory."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     return _priced(baseline_plans.cephalo(ctx, global_batch_size, options), ctx)
 
 
@@ -59,7 +59,7 @@ def proportional_heuristic(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
     """One stage per machine, fastest machines first; layers and microbatches by speed."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     return _priced(baseline_plans.proportional_heuristic(ctx, global_batch_size, options), ctx)
 
 
@@ -67,7 +67,7 @@ def fastest_type_alone(
     inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
 ) -> Plan | None:
     """The planner on the fastest GPU type's GPUs only (a sub-cluster with its own ranks)."""
-    sub, _ = baseline_plans.fastest_type_cluster(CostContext.build(inventory, profile, options.memory_reserve_gib))
+    sub, _ = baseline_plans.fastest_type_cluster(CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules))
     try:
         plan = make_plan(sub, profile, global_batch_size, replace(options, stage_layout=None, layer_counts=None))
     except PlanningError:

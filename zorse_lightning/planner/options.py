@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
-from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTS_IDLE_RANKS, Schedule
+from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTS_IDLE_RANKS, P2PRules, Schedule
 from zorse_lightning.errors import PlanningError
 
 
@@ -73,6 +73,10 @@ class PlannerOptions:
     schedule: Schedule | None = None
     """Pin: the pipeline schedule, by name (``1f1b`` or ``gpipe``); None: 1F1B, which runs
     as fast as GPipe in less memory."""
+    p2p_rules: P2PRules | None = None
+    """The rules the run's messages between stages keep, by name (``gloo`` or ``nccl``, :class:`P2PRules`),
+    which the prediction plays. None: the cluster's backend's (NCCL's on GPUs, gloo's on an emulated cluster);
+    start-up gives the run's own (an emulated run under ``ZORSE_P2P_RULES=nccl`` keeps NCCL's)."""
 
     def __post_init__(self) -> None:
         if not (_is_number(self.solver_time_limit_s) and self.solver_time_limit_s > 0):
@@ -113,6 +117,14 @@ class PlannerOptions:
                     f"use one of {names}, or null to let the planner choose"
                 )
             self._set("schedule", Schedule(self.schedule))
+        if self.p2p_rules is not None:
+            names = [r.value for r in P2PRules]
+            if self.p2p_rules not in names:
+                raise PlanningError(
+                    f"p2p_rules={self.p2p_rules!r} is not a set of point-to-point rules; use one of {names} "
+                    f"(those the run's messages keep), or null for the cluster's backend's"
+                )
+            self._set("p2p_rules", P2PRules(self.p2p_rules))
 
     def _set(self, name: str, value: Any) -> None:
         """Store a normalised value in the frozen instance (lists as tuples)."""

@@ -120,7 +120,7 @@ def _search(
 ) -> Plan:
     started = time.perf_counter()
     check_inputs(inventory, profile, global_batch_size, options)
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib)
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     windows = WindowCosts(ctx)
     notes = () if options.allow_pipeline else (f"data parallel only: {options.no_pipeline_reason}",)
     layouts = _layouts(ctx, options)

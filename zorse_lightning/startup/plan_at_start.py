@@ -44,10 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.calibration import calibrate_in_turn
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
+from zorse_lightning.engine.p2p_rules import rules_from_environment
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import CutError, find_block_list
 from zorse_lightning.planner.baselines import unprofiled_data_parallel
@@ -95,13 +97,17 @@ class StartupInputs:
     optimizer: OptimizerFactory | None = None
     """Builds the user's optimizer (class and settings from ``configure_optimizers``) on given parameters;
     None: none known, the planner estimates an AdamW step."""
-    host_group: Any = None
-    """The gloo group over every rank that start-up's gathers go over (the strategy's host group,
-    :func:`~zorse_lightning.engine.host_group.host_group`). None: the default group, where it is gloo."""
     meet: Callable[[str], None] | None = None
     """Returns once every rank has called it with the same name, with no timeout (the start-up watchdog's
     :meth:`~zorse_lightning.engine.faults.Watchdog.meet`): start-up meets before each gather that follows one
     rank's long work (a GPU type's profile, rank 0's planning). None: the gathers wait by themselves (one rank)."""
+    host_group: Any = None
+    """The gloo group the run sends its host tensors over (the engine's activation headers:
+    :func:`~zorse_lightning.engine.host_group.host_group`), so that the link probe times the header on the
+    group that will carry it. None: the default group where it is gloo; else the probe makes a gloo group of
+    its own from the environment's ``MASTER_ADDR`` with the default timeout, not the strategy's address and
+    timeout, and one more group every rank must make and connect at start-up. Start-up's gathers go over it
+    too: never a device collective."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,18 @@ class StartupResult:
     """The measured profile (rank 0 only)."""
     inventory: ClusterInventory | None = None
     """The cluster as the planner saw it: intra-machine rates as measured where slower (rank 0 only)."""
+    p2p_rules: P2PRules | None = None
+    """The point-to-point rules the planner priced the run's messages under (rank 0 only; see
+    :func:`run_p2p_rules`), for whatever prices the plan again (the train app's timeline)."""
+
+
+def run_p2p_rules(options: PlannerOptions) -> P2PRules:
+    """The rules this run's messages between stages keep, which the plan is priced under: the options' where
+    given, else NCCL's on NCCL and on gloo under ``ZORSE_P2P_RULES=nccl`` (:mod:`~zorse_lightning.engine.p2p_rules`),
+    gloo's own otherwise. Needs the default process group."""
+    if options.p2p_rules is not None:
+        return options.p2p_rules
+    return P2PRules.NCCL if dist.get_backend() == "nccl" or rules_from_environment() else P2PRules.GLOO
 
 
 def _first_of_its_type(inventory: ClusterInventory, rank: int) -> bool:
@@ -136,6 +154,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     returns its loss; ``batch`` is already on ``inputs.device``.
     """
     inventory, options = inputs.inventory, inputs.planner_options
+    options = replace(options, p2p_rules=run_p2p_rules(options))
     if not inputs.automatic_optimization:
         return StartupResult(unprofiled_data_parallel(
             inventory, inputs.global_batch_size, MANUAL_OPTIMIZATION_REASON, shard_optimizer=False
@@ -162,7 +181,9 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     # within the probe's bounds; the same on every rank (both ends allocate it)
     largest = max(m.output_bytes_per_sample * m.samples for m in measured)
     boundary_bytes = int(min(max(largest, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
-    probes = probe_machines(inventory, inputs.rank, inputs.device, probe_bytes(inputs.module), boundary_bytes)
+    probes = probe_machines(
+        inventory, inputs.rank, inputs.device, probe_bytes(inputs.module), boundary_bytes, inputs.host_group
+    )
     if inputs.rank != 0:
         box: list[Any] = [None]
         _meet(inputs, "planned")
@@ -183,4 +204,4 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
     plan = replace(plan, notes=(*plan.notes, *notes))
     _meet(inputs, "planned")
     dist.broadcast_object_list([plan], 0, group=inputs.host_group)
-    return StartupResult(plan, costs, profiled.profile, planned_on)
+    return StartupResult(plan, costs, profiled.profile, planned_on, options.p2p_rules)

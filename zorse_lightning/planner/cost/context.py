@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.cost.comm import LinkTable
 from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbatch_times, with_offload_copies
@@ -37,6 +38,8 @@ class CostContext:
     reserves_bytes: tuple[float, ...]
     """Framework reserve per rank (see :func:`reserve_gib`)."""
     capacities_bytes: tuple[float, ...]
+    p2p_rules: P2PRules
+    """The rules the run's messages between stages keep, which the simulation plays (:mod:`.simulate`)."""
     nccl_communicator_bytes: tuple[float, ...] = ()
     """Device memory per NCCL communicator, by rank (empty: none priced: emulated ranks, whose groups are gloo's,
     or a reserve the user gave whole)."""
@@ -92,15 +95,21 @@ class CostContext:
         return self.profile.times(gpu_type).action_overhead_ms or 0.0
 
     @classmethod
-    def build(cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None) -> CostContext:
-        """``memory_reserve_gib`` None: 0.5 GiB per real GPU, scaled on emulated clusters."""
+    def build(
+        cls, inventory: ClusterInventory, profile: ModelProfile, memory_reserve_gib: float | None = None,
+        p2p_rules: P2PRules | None = None,
+    ) -> CostContext:
+        """``memory_reserve_gib`` None: 0.5 GiB per real GPU, scaled on emulated clusters. ``p2p_rules`` None:
+        the backend's own, as :class:`~.phases.CollectiveBackend` takes it from the inventory: NCCL's on GPUs,
+        gloo's on an emulated cluster (whose runs keep NCCL's only when asked: start-up passes the run's)."""
         reserves = tuple(
             gib_to_bytes(reserve_gib(g.memory_gib, g.gpu_type.memory_gib, inventory.emulated, memory_reserve_gib))
             for g in inventory.gpus
         )
+        rules = p2p_rules or (P2PRules.GLOO if inventory.emulated else P2PRules.NCCL)
         return cls(
             inventory, profile, LinkTable(inventory), reserves, tuple(gib_to_bytes(g.memory_gib) for g in inventory.gpus),
-            nccl_communicator_bytes=_nccl_communicator_bytes(inventory, memory_reserve_gib),
+            rules, nccl_communicator_bytes=_nccl_communicator_bytes(inventory, memory_reserve_gib),
         )
 
     def reserve_bytes(self, rank: int) -> float:

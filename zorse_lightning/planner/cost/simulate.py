@@ -16,6 +16,12 @@ last backward, and each rank's optimizer step when the synchronisation ends. The
 programs passed :func:`..schedule.play_in_steps`, which needs every message at the head
 of its channel; this play needs it only sent, so it cannot stall.
 
+That is gloo's rules (``CostContext.p2p_rules``, :class:`~zorse_lightning.capabilities.P2PRules`).
+Under NCCL's, those of every run on GPUs and of a gloo run under ``ZORSE_P2P_RULES=nccl``,
+the messages move as the batches the engine posts run, one at a time on each rank's
+stream (:mod:`.stream_play`): a receive over a fast link may wait behind a send over a
+slow one that its rank posted before, which gloo's play never makes it do.
+
 Relationship to the cost model's ``iteration_ms`` (tested): equal when stages have no
 transfer time and every rank of a stage has the same work, and the stage that takes
 longest to synchronise and step is one that finishes its backwards last (the textbook
@@ -41,53 +47,18 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import NamedTuple
 
-from zorse_lightning.planner.cost.comm import transfer_ms
+from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.planner.cost.compute import MicrobatchTimes
-from zorse_lightning.planner.cost.boundaries import boundary_message_bytes
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction, schedule_programs
+from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction, schedule_batches, schedule_programs
+from zorse_lightning.planner.cost.events import EventKind, Route, Timeline, TimelineEvent, message_route
+from zorse_lightning.planner.cost.stream_play import StreamPlay
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.schedule import Action, ActionKind, Message, messages_of
 
-
-class EventKind(str, Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    SEND = "send"
-    RECV = "recv"
-    ALLREDUCE = "allreduce"
-    OPTIMIZER = "optimizer"
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    rank: int
-    kind: EventKind
-    microbatch: int
-    """-1 for the synchronisation and the optimizer step."""
-    start_ms: float
-    end_ms: float
-    stage: int = -1
-    """The stage a forward or backward runs (a chunk, on an interleaved plan), the boundary
-    a transfer crosses (between ``stage`` and ``stage + 1``); -1 for the synchronisation and
-    the optimizer step."""
-
-
-@dataclass(frozen=True)
-class Timeline:
-    events: tuple[TimelineEvent, ...]
-    predicted_iteration_ms: float
-    """The cost model's figure, for comparison."""
-
-    @property
-    def makespan_ms(self) -> float:
-        return max(e.end_ms for e in self.events)
-
-    def of_rank(self, rank: int) -> tuple[TimelineEvent, ...]:
-        return tuple(e for e in self.events if e.rank == rank)
+__all__ = ["EventKind", "Timeline", "TimelineEvent", "simulate", "with_simulated_prediction"]
 
 
 def simulate(ctx: CostContext, plan: Plan) -> Timeline:
@@ -96,9 +67,12 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
     key = (plan.schedule, plan.interleave, plan.microbatch_size, plan.global_batch_size, plan.stages)
     if key not in ctx._timelines:
         cost = plan_cost(ctx, plan)
-        play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
+        if ctx.p2p_rules is P2PRules.NCCL and len(plan.stages) > 1:
+            play: _Play | StreamPlay = StreamPlay(ctx, plan, cost, schedule_programs(ctx, plan), schedule_batches(ctx, plan))
+        else:
+            play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
         play.run()
-        events = play.events + _tail_events(plan, cost, play.free_at)
+        events = play.events + _tail_events(plan, cost, play.free_at, play.drained_at)
         ctx._timelines[key] = Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
     return ctx._timelines[key]
 
@@ -116,27 +90,19 @@ def with_simulated_prediction(ctx: CostContext, plan: Plan) -> Plan:
     ))
 
 
-def _tail_events(plan: Plan, cost: PlanCost, free_at: list[float]) -> list[TimelineEvent]:
+def _tail_events(plan: Plan, cost: PlanCost, free_at: list[float], drained_at: list[float]) -> list[TimelineEvent]:
     """Each group's synchronisation from its last backward on (of any of its chunks), then each
-    rank's optimizer step."""
+    rank's optimizer step, once the synchronisation has ended and the rank's messages have all moved
+    (``drained_at``: the engine waits for every batch of the step before it returns)."""
     events = []
     for index, (stage, stage_cost) in enumerate(zip(plan.rank_groups, cost.stages)):
         end = max(free_at[r] for r in stage.ranks)
         synced = end + cost.stage_sync_ms(index)
         for r, update_ms in zip(stage.ranks, stage_cost.update_ms):
+            stepped = max(synced, drained_at[r])
             events.append(TimelineEvent(r, EventKind.ALLREDUCE, -1, end, synced))
-            events.append(TimelineEvent(r, EventKind.OPTIMIZER, -1, synced, synced + update_ms))
+            events.append(TimelineEvent(r, EventKind.OPTIMIZER, -1, stepped, stepped + update_ms))
     return events
-
-
-@dataclass(frozen=True)
-class _Route:
-    """How one message crosses from its sender to its receiver."""
-
-    transfer_ms: float
-    link: tuple
-    notice_link: tuple
-    """The link the other way, which the receiver's notice that it is ready crosses."""
 
 
 class _Upcoming(NamedTuple):
@@ -144,7 +110,7 @@ class _Upcoming(NamedTuple):
     :attr:`_Play.sent_at` and its route) and what it sends (with their keys)."""
 
     action: Action
-    receives: tuple[tuple[Message, tuple, _Route], ...]
+    receives: tuple[tuple[Message, tuple, Route], ...]
     sends: tuple[tuple[Message, tuple], ...]
 
 
@@ -170,6 +136,9 @@ class _Play:
     events: list[TimelineEvent] = field(default_factory=list)
     free_at: list[float] = field(init=False)
     """When each rank ends its last action so far (and posts its next receive)."""
+    drained_at: list[float] = field(init=False)
+    """When each rank's last message has moved: its last receive is before its last action and gloo's
+    sends are posted and left, so its end (:attr:`free_at`)."""
     cursor: list[int] = field(init=False)
     sent_at: dict[tuple, float] = field(default_factory=dict)
     """Messages sent and not yet received (by :func:`_key`), by when their sender ended the action that
@@ -177,12 +146,13 @@ class _Play:
     link_free: dict[tuple, float] = field(default_factory=dict)
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
-    _routes: dict[tuple[int, int, int, bool], _Route] = field(default_factory=dict)
+    _routes: dict[tuple[int, int, int, bool], Route] = field(default_factory=dict)
     _upcoming: list[_Upcoming | None] = field(init=False)
     """Each rank's next action (:meth:`_next_of`), None once its program is done."""
 
     def __post_init__(self) -> None:
         self.free_at = [0.0] * len(self.programs)
+        self.drained_at = self.free_at
         self.cursor = [0] * len(self.programs)
         self._times = {
             (r, index): times
@@ -243,7 +213,7 @@ class _Play:
             start = max(start, self.moves_at(message, key, route) + route.transfer_ms)
         return start
 
-    def moves_at(self, message: Message, key: tuple, route: _Route) -> float:
+    def moves_at(self, message: Message, key: tuple, route: Route) -> float:
         """When ``message`` (of :func:`_key` ``key``) starts to cross: sent, its receiver's notice across,
         its link free."""
         notice_ms = max(self.free_at[message.dst], self.link_free.get(route.notice_link, 0.0))
@@ -270,15 +240,10 @@ class _Play:
             self.sent_at[key] = end
         return {message.dst for message, _ in sends}
 
-    def route(self, message: Message) -> _Route:
-        """The cost model's price of one message between two ranks (both directions carry
-        the boundary's activation size: a gradient is as large as its activation; only an
-        activation carries the engine's host header)."""
-        activation = message.kind is ActionKind.FORWARD
-        key = (message.src, message.dst, message.boundary, activation)
+    def route(self, message: Message) -> Route:
+        """:func:`.events.message_route`, its host header within (gloo's play sends it with the message),
+        once per (sender, receiver, boundary, activation or not)."""
+        key = (message.src, message.dst, message.boundary, message.kind is ActionKind.FORWARD)
         if key not in self._routes:
-            link, bandwidth_gbps, latency_us = self.ctx.links.link(message.src, message.dst, activation)
-            message_bytes = boundary_message_bytes(self.ctx, self.plan, message.boundary)
-            notice_link = self.ctx.links.link(message.dst, message.src, activation)[0]
-            self._routes[key] = _Route(transfer_ms(message_bytes, bandwidth_gbps, latency_us), link, notice_link)
+            self._routes[key] = message_route(self.ctx, self.plan, message, header=True)
         return self._routes[key]
