@@ -34,7 +34,7 @@ from zorse_lightning.module.microbatch import microbatch_slice
 from zorse_lightning.engine.p2p import Transport, post_batches
 from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
-from zorse_lightning.module.materialize import InitialValues, place_on_device
+from zorse_lightning.module.materialize import InitialValues, Swap, place_on_device
 from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
 from zorse_lightning.planner.schedule import build_schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
@@ -135,13 +135,11 @@ class PipelineEngine:
         blocks = None
         if self.is_pipelined or self._gathers_per_microbatch or self._keeps_whole_module_activations or degrees:
             blocks = find_block_list(self.module, self.block_path)
-        split = None
         # checked on every rank, idle ones too: all refuse together, none waits for the others
         for index in range(len(self.plan.stages)):
             tensor_parallel.check_stage(self.plan, index)
         block_plans = {t: require_block_plan(self.module, blocks, t, self.tp_plan) for t in degrees}
-        if self._splits:
-            split = block_plans[self.groups.stage.tensor_parallel]
+        split = block_plans[self.groups.stage.tensor_parallel] if self._splits else None
         if self._keeps_whole_module_activations:  # a pipeline's cut wraps its own blocks
             self.offload = ActivationOffload(self.device) if self.groups.stage.offload_activations else None
             for index, block in enumerate(blocks.blocks):
@@ -230,7 +228,7 @@ class PipelineEngine:
         """Indices of the blocks this rank's stages hold (all of them in a plan of one stage)."""
         return [i for s in self.plan.stages_of_group(self.groups.stage_index) for i in range(*self.plan.stages[s].layers)]
 
-    def _adopt(self, swap) -> None:
+    def _adopt(self, swap: Swap) -> None:
         if swap.is_parameter:
             self._adopt_parameter(swap.old, swap.new)
 
