@@ -29,7 +29,9 @@ from zorse_lightning.engine.groups import build_groups
 from zorse_lightning.engine.host_group import broadcast_module
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.module.materialize import InitialValues, materialize
+from zorse_lightning.engine import tensor_parallel as engine_tensor_parallel
+from zorse_lightning.module.materialize import InitialValues, holds_values, materialize
+from zorse_lightning.module.tensor_parallel import local as local_part
 from zorse_lightning.planner.plan import Plan, StagePlan
 
 transformers = pytest.importorskip("transformers")
@@ -179,13 +181,26 @@ def _run_case(rank: int, case: Case) -> dict:
         broadcast_module(model)
     groups = build_groups(plan, rank, timeout=timedelta(seconds=60))
     engine = PipelineEngine(model, groups, torch.device("cpu"), gradient_bucket_bytes=BUCKET_BYTES, initial=InitialValues(seed=0))
+    held_at_splits = []
+    split_block = engine_tensor_parallel.parallelize_block
+
+    def counted_split(block, *args):
+        held_at_splits.append(sum(local_part(p).numel() for p in model.parameters() if holds_values(p)))
+        return split_block(block, *args)
+
+    engine_tensor_parallel.parallelize_block = counted_split
     share = groups.stage.microbatch_ranges()[rank] if not groups.is_idle else range(0)
     rows = slice(share.start * MICROBATCH, share.stop * MICROBATCH)
     local = lambda batch: (batch[0][rows], batch[1][rows])
     step_fn = lambda micro, j: model._loss(micro)
     torch.manual_seed(100 + rank)  # as a rank's start-up may leave it: the TP group must agree from setup on
-    engine.prepare(local(batches[0]), step_fn)
+    try:
+        engine.prepare(local(batches[0]), step_fn)
+    finally:
+        engine_tensor_parallel.parallelize_block = split_block
     drawn = torch.rand(1).item()
+    blocks = [] if groups.is_idle else [b for s in plan.stages_of_rank(rank) for b in range(*plan.stages[s].layers)]
+    stage_blocks = sum(p.numel() for b in blocks for p in _model(case, placed=True).blocks[b].parameters()) if case.meta else 0
     optimizer = _optimizer(model)
     engine.setup_optimizer(optimizer)
     losses = []
@@ -212,6 +227,8 @@ def _run_case(rank: int, case: Case) -> dict:
         "split": sorted(n for n, p in model.named_parameters() if id(p) in local_ids and isinstance(p, DTensor)),
         "compared": len(diffs),
         "drawn": drawn,
+        "most_held_at_a_split": max(held_at_splits, default=0),
+        "stage_blocks": stage_blocks,
         "evaluated": len(evaluated),
         "evaluated_diff": max((abs(v.item() - expected_evaluated[j]) for j, v in evaluated.items()), default=0.0),
     }
@@ -269,3 +286,13 @@ def test_heads_the_degree_does_not_divide_are_refused_on_every_rank(results):
     for rank, per_rank in enumerate(results):
         assert "the plan's tensor_parallel=2 cannot run" in per_rank["refused"], (rank, per_rank["refused"])
         assert "attn.heads=1 is not divisible by tensor_parallel=2" in per_rank["refused"]
+
+
+
+def test_a_meta_built_stage_is_never_held_whole(results):
+    """Each block is placed, then split, before the next: at the last split a rank holds its earlier blocks'
+    halves and one whole block (here 3/4 of its stage's blocks' weights), never all of them whole."""
+    for case in (c for c in CASES if c.meta):
+        for rank, per_rank in enumerate(results):
+            run = per_rank[case.name]
+            assert 0 < run["most_held_at_a_split"] < 0.8 * run["stage_blocks"], (case.name, rank, run)
