@@ -60,6 +60,7 @@ from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_gr
 from zorse_lightning.module.blocks import CutError, find_block_list, find_block_list_or_none
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
 from zorse_lightning.module.stage_weights import WeightSource
+from zorse_lightning.module.tensor_parallel import Style
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.plan import Plan
 from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_schedule, resolve_plan, with_schedule
@@ -96,6 +97,10 @@ class ZorseStrategy(CheckpointHooks):
             prices what runs; with a given ``plan`` it must match the plan's schedule.
         block_path: attribute path of the block list (``"model.layers"``); None: the longest list of
             same-class modules.
+        tp_plan: how a block splits over a tensor-parallel group where the plan asks for one, in Hugging Face's
+            notation (``{"model.layers.*.mlp.up_proj": "colwise", ...}``, or module names inside one block; torch
+            ``ParallelStyle``s also); None: the module's ``tp_plan`` attribute, else its Hugging Face model's
+            (:mod:`zorse_lightning.module.tensor_parallel`).
         weights: pretrained weights each rank reads only its stage's tensors from (a state dict, a
             ``.safetensors`` file, a sharded ``*.index.json`` or its directory, a torch or Lightning checkpoint
             file), into a module built on the meta device (``configure_model``, ``init_module(empty_init=True)``).
@@ -130,6 +135,7 @@ class ZorseStrategy(CheckpointHooks):
         planner_options: PlannerOptions | None = None,
         schedule: str | None = None,
         block_path: str | None = None,
+        tp_plan: Mapping[str, Style] | None = None,
         weights: WeightSource | Mapping[str, torch.Tensor] | str | Path | None = None,
         weights_prefix: str | None = None,
         seed: int = 0,
@@ -156,6 +162,7 @@ class ZorseStrategy(CheckpointHooks):
         self.emulation_slowdown = emulation_slowdown
         self._precision = precision
         self.block_path = block_path
+        self._tp_plan = dict(tp_plan) if tp_plan is not None else None
         self._weights = WeightSource(weights) if weights is not None else None
         self._weights_prefix = weights_prefix
         self.seed = seed
@@ -388,7 +395,7 @@ class ZorseStrategy(CheckpointHooks):
         )
         self._state.engine = PipelineEngine(
             self.lightning_module, groups, self.root_device, self.block_path,
-            initial=self._initial_values(), host_group=self._state.host_group,
+            initial=self._initial_values(), host_group=self._state.host_group, tp_plan=self._tp_plan,
         )
         self.precision_plugin.cache_weights = groups.is_idle or not groups.stage.gather_per_microbatch
         if not self.lightning_module.automatic_optimization:
