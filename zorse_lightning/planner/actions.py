@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.planner.plan import Plan, StagePlan
 
 
 class ActionKind(str, Enum):
@@ -61,21 +61,28 @@ def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], l
     ``p`` of the sending replica takes the gradient from TP rank ``p mod b`` of the receiving one: each rank
     receives one message, and sends to every rank its index feeds (none, one, or several)."""
     last = len(plan.stages) - 1
-    j, s = action.microbatch, action.stage
+    j, s, kind = action.microbatch, action.stage, action.kind
     mine = plan.stages[s]
-    index = mine.tensor_index(rank)
-
-    def from_(stage: int) -> int:
-        return plan.stages[stage].peer_of_microbatch(j, index % plan.stages[stage].tensor_parallel)
-
-    def to(stage: int) -> list[int]:
-        other = plan.stages[stage]
-        return [other.peer_of_microbatch(j, q) for q in range(index, other.tensor_parallel, mine.tensor_parallel)]
-
-    if action.kind is ActionKind.FORWARD:
-        recv = [Message(from_(s - 1), rank, action.kind, j, s - 1)] if s > 0 else []
-        send = [Message(rank, dst, action.kind, j, s) for dst in to(s + 1)] if s < last else []
+    degree = mine.tensor_parallel
+    index = mine.tensor_index(rank) if degree > 1 else 0
+    if kind is ActionKind.FORWARD:
+        recv = [Message(_source(plan.stages[s - 1], j, index), rank, kind, j, s - 1)] if s > 0 else []
+        send = [Message(rank, dst, kind, j, s) for dst in _targets(plan.stages[s + 1], j, index, degree)] if s < last else []
     else:
-        recv = [Message(from_(s + 1), rank, action.kind, j, s)] if s < last else []
-        send = [Message(rank, dst, action.kind, j, s - 1) for dst in to(s - 1)] if s > 0 else []
+        recv = [Message(_source(plan.stages[s + 1], j, index), rank, kind, j, s)] if s < last else []
+        send = [Message(rank, dst, kind, j, s - 1) for dst in _targets(plan.stages[s - 1], j, index, degree)] if s > 0 else []
     return recv, send
+
+
+def _source(other: StagePlan, microbatch: int, index: int) -> int:
+    """The rank of ``other`` (a neighbouring stage) that TP index ``index`` receives ``microbatch``'s message from."""
+    if other.tensor_parallel == 1:
+        return other.rank_of_microbatch(microbatch)
+    return other.peer_of_microbatch(microbatch, index % other.tensor_parallel)
+
+
+def _targets(other: StagePlan, microbatch: int, index: int, degree: int) -> list[int]:
+    """The ranks of ``other`` that TP index ``index`` of a stage of ``degree`` sends ``microbatch``'s message to."""
+    if other.tensor_parallel == 1:
+        return [other.rank_of_microbatch(microbatch)] if index == 0 else []
+    return [other.peer_of_microbatch(microbatch, q) for q in range(index, other.tensor_parallel, degree)]
