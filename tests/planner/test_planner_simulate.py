@@ -224,3 +224,23 @@ def test_under_nccls_rules_a_fast_receive_waits_for_a_slow_send_on_its_stream() 
         starts[rules] = [e.start_ms for e in timeline.of_rank(1) if e.kind is EventKind.FORWARD]
     assert starts[P2PRules.GLOO] == pytest.approx([2 + fast_ms, 4 + fast_ms])
     assert starts[P2PRules.NCCL] == pytest.approx([2 + fast_ms, 4 + slow_ms])
+
+
+def test_on_gloos_transport_a_pair_of_ranks_moves_one_message_at_a_time() -> None:
+    """Under NCCL's rules 1F1B's steady-state batches send a gradient back to the rank they receive the next
+    activation from. NCCL moves the two at once (a connection per direction); gloo, which runs an emulated
+    cluster under ZORSE_P2P_RULES=nccl, has one connection per pair of ranks and moves them in turn (both
+    ways at once took twice one way's time, :mod:`zorse_lightning.planner.cost.stream_play`)."""
+    profile = replace(_profile(20_000_000), layers=_profile(20_000_000).layers[:3])
+    plan = Plan("sim", "sim", 3, 5, 8, 1, Schedule.ONE_F_ONE_B, (_stage([0], (0, 1), [8]), _stage([1], (1, 3), [8])),
+                idle_ranks=(2, 3, 4))
+
+    def overlaps(inventory: ClusterInventory) -> int:
+        timeline = simulate(CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL), plan)
+        _check_schedule_rules(plan, timeline)
+        forward = [e for e in timeline.events if e.kind is EventKind.SEND and e.rank == 0]
+        back = [e for e in timeline.events if e.kind is EventKind.SEND and e.rank == 1]
+        return sum(a.start_ms < b.end_ms - 1e-9 and b.start_ms < a.end_ms - 1e-9 for a in forward for b in back)
+
+    assert overlaps(_inventory()) > 0
+    assert overlaps(replace(_inventory(), emulated=True)) == 0

@@ -15,6 +15,15 @@ event time (:func:`..p2p_batches.play_rendezvous` checks the same rules without 
 * a message moves once the batches holding its two ends both run (a send completes only
   together with its matching receive) and its link is free (one transfer at a time per
   link and direction, as in gloo's play), and takes the message's time without header;
+  on gloo's transport (``LinkTable.backend``: an emulated cluster's ranks, under
+  ``ZORSE_P2P_RULES=nccl`` too) a pair of ranks also has one connection for both
+  directions, which moves one message at a time: measured between two namespaces
+  across 100 Mbit/s, both ways at once between the same two ranks took twice one
+  way's time (medians of 9: 32 KiB 7 ms against 3, 128 KiB 21 against 12; 1 MiB
+  180-243 against 88), two connections in opposite directions less (4, 19 and
+  95-126 ms; ``bench/README.md``, slow_link). So a batch that sends a gradient to
+  the rank it receives the next activation from (1F1B's steady state) waits for
+  both in turn;
 * a batch completes once all its messages have moved;
 * an action runs once the rank's host has ended the one before it and the batches
   holding its receives have completed (a batch that only sends holds no action).
@@ -40,6 +49,7 @@ from zorse_lightning.planner.cost.compute import MicrobatchTimes
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost
 from zorse_lightning.planner.cost.events import EventKind, Route, TimelineEvent, message_route
+from zorse_lightning.planner.cost.phases import CollectiveBackend
 from zorse_lightning.planner.p2p_batches import P2PBatch
 from zorse_lightning.planner.plan import Plan
 
@@ -216,9 +226,11 @@ class StreamPlay:
     def _move(self, message: Message, ready_ms: float) -> set[int]:
         """Move ``message`` once its link is free; complete the batches it was the last of; returns its ranks."""
         route = self._route(message)
-        start_ms = max(ready_ms, self._link_free_ms.get(route.link, 0.0))
+        held = (route.link, *self._connection(message))
+        start_ms = max(ready_ms, *(self._link_free_ms.get(key, 0.0) for key in held))
         end_ms = start_ms + route.transfer_ms
-        self._link_free_ms[route.link] = end_ms
+        for key in held:
+            self._link_free_ms[key] = end_ms
         for rank, kind in ((message.src, EventKind.SEND), (message.dst, EventKind.RECV)):
             self.events.append(TimelineEvent(rank, kind, message.microbatch, start_ms, end_ms, message.boundary))
         for rank, index in (self._sender[message], self._receiver[message]):
@@ -229,6 +241,13 @@ class StreamPlay:
                 stream.completed_ms.append(stream.moved_ms[index])
                 self._start_batches(rank)
         return {message.src, message.dst}
+
+    def _connection(self, message: Message) -> tuple[tuple, ...]:
+        """The connection of ``message``'s two ranks where the transport has one for both directions
+        (gloo's: see the module's docstring), else none."""
+        if self.ctx.links.backend is CollectiveBackend.GLOO:
+            return (("pair", min(message.src, message.dst), max(message.src, message.dst)),)
+        return ()
 
     def _route(self, message: Message) -> Route:
         """:func:`.events.message_route` without the header, which posting waits for (:meth:`_posting_ms`)."""
