@@ -110,21 +110,20 @@ class PlannerOptions:
             _check_count("microbatch_size", self.microbatch_size, 1, "give e.g. 4, or null to let the planner choose")
             self._set("microbatch_size", int(self.microbatch_size))
         if self.schedule is not None:
-            names = [s.value for s in SUPPORTED_SCHEDULES]
-            if self.schedule not in names:
-                raise PlanningError(
-                    f"schedule={self.schedule!r} is not a schedule the engine runs; "
-                    f"use one of {names}, or null to let the planner choose"
-                )
-            self._set("schedule", Schedule(self.schedule))
+            self._set_choice("schedule", SUPPORTED_SCHEDULES, Schedule, "a schedule the engine runs", ", or null to let the planner choose")
         if self.p2p_rules is not None:
-            names = [r.value for r in P2PRules]
-            if self.p2p_rules not in names:
-                raise PlanningError(
-                    f"p2p_rules={self.p2p_rules!r} is not a set of point-to-point rules; use one of {names} "
-                    f"(those the run's messages keep), or null for the cluster's backend's"
-                )
-            self._set("p2p_rules", P2PRules(self.p2p_rules))
+            self._set_choice(
+                "p2p_rules", tuple(P2PRules), P2PRules, "a set of point-to-point rules",
+                " (those the run's messages keep), or null for the cluster's backend's",
+            )
+
+    def _set_choice(self, name: str, allowed, kind, what: str, fix: str) -> None:
+        """Store option ``name`` as a member of the enum ``kind``, refusing a value outside ``allowed`` (``fix``
+        ends the message)."""
+        value, names = getattr(self, name), [member.value for member in allowed]
+        if value not in names:
+            raise PlanningError(f"{name}={value!r} is not {what}; use one of {names}{fix}")
+        self._set(name, kind(value))
 
     def _set(self, name: str, value: Any) -> None:
         """Store a normalised value in the frozen instance (lists as tuples)."""
