@@ -85,9 +85,10 @@ class StagePlan:
         """Microbatches of the stage: each replica's once (its TP ranks repeat its count)."""
         return sum(self.microbatches_per_rank[:: self.tensor_parallel])
 
-    @property
+    @cached_property
     def replicas(self) -> tuple[tuple[int, ...], ...]:
-        """The stage's TP groups in order (one rank each without tensor parallelism)."""
+        """The stage's TP groups in order (one rank each without tensor parallelism); computed once, as the
+        planner asks for it for every stage it prices."""
         t = self.tensor_parallel
         return tuple(self.ranks[i : i + t] for i in range(0, len(self.ranks), t))
 
@@ -149,7 +150,8 @@ class StagePlan:
         index): the fractions of one TP index's ranks sum to 1."""
         if self.shard_fractions:
             return self.shard_fractions
-        return tuple(1.0 / len(self.replicas) for _ in self.ranks)
+        share = 1.0 / len(self.replicas)
+        return tuple(share for _ in self.ranks)
 
     @property
     def activations_label(self) -> str:
