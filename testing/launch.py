@@ -7,8 +7,11 @@ test module and run several cases, because each start costs seconds here.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,3 +106,17 @@ def spawn_ranks(worker: Callable[..., Any], world_size: int, out_dir: str | Path
 
     mp.spawn(_run_rank, args=(worker, free_port(), str(out_dir), world_size, *args), nprocs=world_size, join=True)
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def start_script_ranks(script: str, world_size: int, out_dir: str | Path) -> list[subprocess.Popen]:
+    """``world_size`` processes of ``python script RANK PORT OUT_DIR`` on a free port, each with this
+    repository on its path, standard error captured as text: for tests whose ranks must be whole processes
+    (a rank that exits or is signalled on its own)."""
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return [
+        subprocess.Popen([sys.executable, script, str(rank), str(port), str(out_dir)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for rank in range(world_size)
+    ]

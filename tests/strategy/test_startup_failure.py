@@ -10,14 +10,13 @@ file is one rank.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from testing.launch import free_port, torchrun_variables
+from testing.launch import start_script_ranks, torchrun_variables
 
 WORLD = 2
 STAYS_UP_S = 60.0
@@ -59,14 +58,7 @@ def _run_rank(rank: int, port: int, out: Path) -> None:
 @pytest.mark.multiprocess
 def test_a_rank_failing_in_startup_ends_every_rank_with_its_error(tmp_path):
     """Would catch start-up without the watchdog: rank 0 would wait in the gather for the whole group timeout."""
-    port = free_port()
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    processes = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for r in range(WORLD)
-    ]
+    processes = start_script_ranks(__file__, WORLD, tmp_path)
     try:
         said = processes[0].communicate(timeout=STAYS_UP_S)[1]  # rank 0 ends while rank 1 still lingers
         ended = time.time()

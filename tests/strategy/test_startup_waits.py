@@ -8,7 +8,6 @@ script, this file is one rank.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from testing.launch import free_port, torchrun_variables
+from testing.launch import start_script_ranks, torchrun_variables
 
 WORLD = 2
 TIMEOUT = timedelta(seconds=3)
@@ -58,14 +57,7 @@ def _run_rank(rank: int, port: int, out: Path) -> None:
 def test_start_up_waits_for_a_profile_longer_than_the_groups_timeout(tmp_path):
     """Would catch start-up's ranks waiting in a collective while a rank profiles (at a8ab602 rank 1's gather
     timed out after 3 s and both ranks stopped)."""
-    port = free_port()
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    processes = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for r in range(WORLD)
-    ]
+    processes = start_script_ranks(__file__, WORLD, tmp_path)
     said = [p.communicate(timeout=240)[1] for p in processes]  # a guard against a hang, not a timing assertion
     for rank, process in enumerate(processes):
         assert process.returncode == 0, said[rank][-3000:]
