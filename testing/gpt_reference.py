@@ -17,7 +17,7 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.module.materialize import holds_values
 
 CPU_SIM3 = {

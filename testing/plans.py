@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.planner.actions import ActionKind, messages_of
-from zorse_lightning.planner.p2p_batches import HostCollective, P2PBatch
-from zorse_lightning.planner.plan import Plan, StagePlan
-from zorse_lightning.planner.step_collectives import step_collectives
+from zorse_lightning.schedule.actions import ActionKind, messages_of
+from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch
+from zorse_lightning.schedule.plan import Plan, StagePlan
+from zorse_lightning.schedule.step_collectives import step_collectives
 
 
 def hand_plan(
@@ -97,7 +97,7 @@ def random_layout(
 def in_backward_collectives(plan: Plan, programs, batches) -> list[tuple[HostCollective, ...]]:
     """Where the engine issued its stage reductions before they were placed (tests show it hangs): during each
     stage's last backward, before the batch carrying that backward's gradient is posted; the step's end as
-    :func:`zorse_lightning.planner.step_collectives.step_collectives` has it."""
+    :func:`zorse_lightning.schedule.step_collectives.step_collectives` has it."""
     collectives = []
     for rank, (program, ends) in enumerate(zip(programs, step_collectives(plan, programs, batches))):
         mine = []

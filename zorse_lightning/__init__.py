@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy
     from zorse_lightning.engine.faults import FaultPolicy
     from zorse_lightning.planner.options import PlannerOptions
-    from zorse_lightning.planner.plan import Plan
+    from zorse_lightning.schedule.plan import Plan
     from zorse_lightning.strategy.registration import register_with_lightning
     from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 
 _HOME_OF = {
     "EmulateCluster": "zorse_lightning.emulation.callback",
     "FaultPolicy": "zorse_lightning.engine.faults",
-    "Plan": "zorse_lightning.planner.plan",
+    "Plan": "zorse_lightning.schedule.plan",
     "PlannerOptions": "zorse_lightning.planner.options",
     "RecoveryPolicy": "zorse_lightning.engine.checkpoint.survivors",
     "ZorseStrategy": "zorse_lightning.strategy.zorse_strategy",

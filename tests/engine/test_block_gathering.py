@@ -11,7 +11,7 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, block_units, padded_program
 from zorse_lightning.engine.sharding import refill, free, settle, true_numel, true_shape
 from zorse_lightning.module.materialize import holds_values
-from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.schedule.programs import build_schedule
 from zorse_lightning.engine.checkpoint.shards import held_module_entries
 
 

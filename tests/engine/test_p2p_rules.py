@@ -18,9 +18,9 @@ from testing.plans import hand_plan, per_message_batches
 
 from zorse_lightning.engine.p2p import Transport, post_batches
 from zorse_lightning.engine.p2p_rules import LazyCommunicators, P2PRulesError
-from zorse_lightning.planner.actions import ActionKind, Message, messages_of
-from zorse_lightning.planner.p2p_batches import P2PBatch
-from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.schedule.actions import ActionKind, Message, messages_of
+from zorse_lightning.schedule.p2p_batches import P2PBatch
+from zorse_lightning.schedule.programs import build_schedule
 
 pytestmark = pytest.mark.multiprocess
 

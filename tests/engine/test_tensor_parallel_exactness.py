@@ -32,7 +32,7 @@ from zorse_lightning.models.gpt import GPT
 from zorse_lightning.engine import tensor_parallel as engine_tensor_parallel
 from zorse_lightning.module.materialize import InitialValues, holds_values, materialize
 from zorse_lightning.module.tensor_parallel import local as local_part
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 
 transformers = pytest.importorskip("transformers")
 

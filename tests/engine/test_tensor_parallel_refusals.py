@@ -10,7 +10,7 @@ import pytest
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.engine.tensor_parallel import check_stage
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 
 STAGE = StagePlan(
     ranks=(0, 1), gpu_types=("cpu",) * 2, machines=("localhost",) * 2, layers=(0, 4), microbatches_per_rank=(2, 2),

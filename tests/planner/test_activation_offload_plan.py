@@ -14,7 +14,7 @@ from zorse_lightning.errors import InventoryError, PlanningError
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.plan_check import check_predicted_memory
 from zorse_lightning.planner.search import make_plan
 from zorse_lightning.reporting.plan_table import plan_table

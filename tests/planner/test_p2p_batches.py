@@ -11,8 +11,8 @@ from testing.plans import hand_plan, in_backward_collectives, per_message_batche
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import interleave
-from zorse_lightning.planner.p2p_batches import HostCollective, play_rendezvous
-from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.schedule.p2p_batches import HostCollective, play_rendezvous
+from zorse_lightning.schedule.programs import build_schedule
 
 
 def test_two_stage_1f1b_posts_each_send_beside_the_receive_of_its_step():

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.actions import Action, ActionKind, messages_of
-from zorse_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan, StagePlan
-from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.schedule.actions import Action, ActionKind, messages_of
+from zorse_lightning.schedule.plan import PLAN_FORMAT_VERSION, Plan, StagePlan
+from zorse_lightning.schedule.programs import build_schedule
 
 FIRST = StagePlan(
     ranks=(0, 1, 2, 3), gpu_types=("a100x40",) * 2 + ("v100x16",) * 2, machines=("m0", "m0", "m1", "m1"),

@@ -27,7 +27,7 @@ from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.cost.memory import reserve_gib
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 from zorse_lightning.units import BYTES_PER_GIB

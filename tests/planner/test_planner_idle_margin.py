@@ -8,7 +8,7 @@ import pytest
 
 from zorse_lightning.planner import PlannerOptions, make_plan
 from zorse_lightning.planner.choice import IDLE_MARGIN, Choice
-from zorse_lightning.planner.plan import Prediction
+from zorse_lightning.schedule.plan import Prediction
 from testing.plans import hand_plan
 
 

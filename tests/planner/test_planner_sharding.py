@@ -33,7 +33,7 @@ from zorse_lightning.planner.cost.evaluate import (
     stage_memory,
 )
 from zorse_lightning.planner.cost.memory import StageParameters, stage_parameter_counts, stage_state_bytes
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
 
 # float16: weights 2 + gradients 2 + optimizer 12 bytes per parameter

@@ -1,6 +1,6 @@
 """The timeline simulation against the cost model and the schedule's rules.
 
-The simulation plays the engine's programs (``planner/schedule.py``; that it follows
+The simulation plays the engine's programs (``schedule/programs.py``; that it follows
 them action by action is tested in ``tests/reporting/test_timeline_matches_schedule.py``)
 where it used to order each rank's microbatches by a rule of its own (index order,
 backward first when ready). No expectation here changed: on single-rank stages and on a
@@ -203,7 +203,7 @@ def test_a_header_is_priced_on_activations_only() -> None:
 
 def test_under_nccls_rules_a_fast_receive_waits_for_a_slow_send_on_its_stream() -> None:
     """Rank 1 receives its second activation from rank 0 over 100 Gb/s in the batch that sends its first
-    to rank 2 over 100 Mbit/s (the schedule's batches: planner.p2p_batches). Under NCCL's rules the batch
+    to rank 2 over 100 Mbit/s (the schedule's batches: schedule.p2p_batches). Under NCCL's rules the batch
     completes with its slow send, so rank 1's second forward waits for it; under gloo's it waits only for
     its own receive.
 

@@ -9,7 +9,7 @@ import pytest
 from testing.plans import hand_plan, random_layout
 
 from zorse_lightning.capabilities import Schedule
-from zorse_lightning.planner.schedule import (
+from zorse_lightning.schedule.programs import (
     Action,
     ActionKind,
     build_schedule,
@@ -18,7 +18,8 @@ from zorse_lightning.planner.schedule import (
     play_in_steps,
 )
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.cost.memory import microbatches_in_flight, one_f_one_b_warmup
+from zorse_lightning.planner.cost.memory import microbatches_in_flight
+from zorse_lightning.schedule.programs import one_f_one_b_warmup
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 

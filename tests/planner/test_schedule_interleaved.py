@@ -11,7 +11,7 @@ from testing.plans import hand_plan
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
-from zorse_lightning.planner.schedule import ActionKind, build_schedule, one_f_one_b_limit
+from zorse_lightning.schedule.programs import ActionKind, build_schedule, one_f_one_b_limit
 
 
 def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, schedule=Schedule.ONE_F_ONE_B):
@@ -86,7 +86,7 @@ def test_interleaved_messages_name_their_boundary():
     """Groups 0 and 1 exchange the activations of boundaries 0 and 2 over one channel: each message says which."""
     plan = interleave(_equal_pipeline(2, 2, 2), 2)
     schedule = build_schedule(plan)
-    from zorse_lightning.planner.schedule import messages_of
+    from zorse_lightning.schedule.programs import messages_of
 
     sent = [m for a in schedule.for_rank(0) for m in messages_of(plan, 0, a)[1] if m.kind is ActionKind.FORWARD]
     assert sorted({m.boundary for m in sent}) == [0, 2] and {m.dst for m in sent} == {1}

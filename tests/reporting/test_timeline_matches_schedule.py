@@ -19,7 +19,7 @@ from testing.plans import hand_plan
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.planner import CostContext, EventKind, Plan, simulate
-from zorse_lightning.planner.schedule import ActionKind, build_schedule
+from zorse_lightning.schedule.programs import ActionKind, build_schedule
 from zorse_lightning.profiling.profile import (
     BlockShape,
     BlockTimes,

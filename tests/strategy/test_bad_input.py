@@ -17,7 +17,7 @@ from zorse_lightning.errors import InventoryError, PlanningError
 from zorse_lightning.planner.plan_check import check_plan, resolve_plan
 from zorse_lightning.strategy.zorse_strategy import model_blocks
 from zorse_lightning.models.gpt import GPT
-from zorse_lightning.planner.plan import Plan, Prediction
+from zorse_lightning.schedule.plan import Plan, Prediction
 
 GIB = 1 << 30
 

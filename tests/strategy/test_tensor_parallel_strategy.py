@@ -27,7 +27,7 @@ from testing.launch import spawn_ranks
 from testing.plans import hand_plan
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.engine.checkpoint.files import shard_name
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.strategy.zorse_strategy import ZorseStrategy
 
 pytestmark = pytest.mark.multiprocess

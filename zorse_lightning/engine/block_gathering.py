@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from zorse_lightning.engine.sharding import Broadcast, StageShards, free
-from zorse_lightning.planner.schedule import Action, ActionKind
+from zorse_lightning.schedule.programs import Action, ActionKind
 
 EMPTY_ROUND = -1
 """``Action.microbatch`` of a round without a microbatch (only the collectives)."""

@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from zorse_lightning.engine.groups import StageGroups
 from zorse_lightning.engine.p2p import Transport
-from zorse_lightning.planner.actions import ActionKind, Message
-from zorse_lightning.planner.p2p_batches import P2PBatch
-from zorse_lightning.planner.schedule import PipelineSchedule
+from zorse_lightning.schedule.actions import ActionKind, Message
+from zorse_lightning.schedule.p2p_batches import P2PBatch
+from zorse_lightning.schedule.programs import PipelineSchedule
 
 CONNECTION = -1
 """The microbatch of a setup message: it carries no microbatch's data."""

@@ -39,7 +39,7 @@ from zorse_lightning.module.block_output import activation_of
 from zorse_lightning.module.blocks import BlockList, StageOutput
 from zorse_lightning.module.cut_analysis import CutAnalysis
 from zorse_lightning.module.materialize import replace_parameters
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 META = torch.device("meta")
 

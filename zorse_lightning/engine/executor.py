@@ -35,8 +35,8 @@ from zorse_lightning.engine.p2p import Transport, post_batches
 from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.materialize import InitialValues, Swap, place_on_device
-from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
-from zorse_lightning.planner.schedule import build_schedule
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.programs import build_schedule
 from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
 from zorse_lightning.engine.sharding import placeholders, restrict_optimizer
 from zorse_lightning.engine.stage_state import ShardedStage
@@ -398,7 +398,7 @@ class PipelineEngine:
         """Where this run's reduction over the stage's group starts: (indices of ``program`` before whose
         backward the hooks start each bucket as it becomes final, counts of actions after which, its batches
         posted, every bucket starts). A pipelined rank starts where the schedule says
-        (:mod:`..planner.step_collectives`: never while a peer may wait for a batch it has not posted); a
+        (:mod:`..schedule.step_collectives`: never while a peer may wait for a batch it has not posted); a
         plan without messages has none to hold, so its hooks start during the last backward, as DDP's do."""
         if self.groups.is_idle:
             return set(), set()

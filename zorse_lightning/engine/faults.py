@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.engine.checkpoint.shards import all_gather
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 LOST_EXIT_STATUS = 75
 SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM

@@ -11,7 +11,7 @@ The sum over a stage's own group can overlap the step, as DDP's does. As DDP's
 buffer per dtype, cut into buckets, so a bucket is reduced in place: no
 concatenation, no copy back. A stage of one rank has nothing to sum its own
 weights over: no buffer, no hook, no collective. Where the reductions start is
-the schedule's (:mod:`..planner.step_collectives`): in a pipeline, once the rank
+the schedule's (:mod:`..schedule.step_collectives`): in a pipeline, once the rank
 has posted the batch carrying its last gradient (started earlier, a reduction
 can hold the host of a replica whose peer waits for that gradient's effects
 upstream), overlapping the pipeline's drain; in a plan without stages to pass

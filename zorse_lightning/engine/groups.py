@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zorse_lightning.engine.p2p_rules import LazyCommunicators
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 

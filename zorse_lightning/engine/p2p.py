@@ -1,6 +1,6 @@
 """Point-to-point transfers between stages, posted as the schedule's batches.
 
-The schedule says what a rank posts together (:mod:`..planner.p2p_batches`):
+The schedule says what a rank posts together (:mod:`..schedule.p2p_batches`):
 each batch is one ``dist.batch_isend_irecv``, so its sends and receives
 progress together, and batches run in order. Under NCCL, batched operations run
 on the group's own communicator (the engine's pipeline group, made and used once at setup)
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from zorse_lightning.engine.p2p_rules import RendezvousStream, rules_from_environment
-from zorse_lightning.planner.actions import ActionKind, Message
-from zorse_lightning.planner.p2p_batches import P2PBatch
+from zorse_lightning.schedule.actions import ActionKind, Message
+from zorse_lightning.schedule.p2p_batches import P2PBatch
 
 MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)

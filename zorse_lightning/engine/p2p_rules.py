@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zorse_lightning.planner.actions import Message
-from zorse_lightning.planner.p2p_batches import P2PBatch, describe_message
+from zorse_lightning.schedule.actions import Message
+from zorse_lightning.schedule.p2p_batches import P2PBatch, describe_message
 
 RULES_ENV = "ZORSE_P2P_RULES"
 TIMEOUT_ENV = "ZORSE_P2P_RULES_TIMEOUT_S"
@@ -220,5 +220,5 @@ class RendezvousStream:
         return (
             f"under NCCL's point-to-point rules this run would hang: {batch.describe(self.rank)} waited "
             f"{self.timeout_s:g} s for {waits}. A send completes only together with its peer's matching receive, "
-            f"and a rank's batches run in order; the schedule's batches (planner.p2p_batches) keep these rules"
+            f"and a rank's batches run in order; the schedule's batches (schedule.p2p_batches) keep these rules"
         )

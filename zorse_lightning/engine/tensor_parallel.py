@@ -16,7 +16,7 @@ accumulates into it in place.
 
 What combines with TP so far (:func:`check_stage`): sharding ``none`` and
 ``optimizer`` (shards over the replicas' ranks of one TP index hold local
-slices), recomputation, stages of different degrees (:func:`~zorse_lightning.planner.actions.messages_of`
+slices), recomputation, stages of different degrees (:func:`~zorse_lightning.schedule.actions.messages_of`
 pairs their TP ranks). The random state agrees across each TP group from setup on (:func:`agree_random_state`):
 a dropout on replicated activations draws one mask on every rank of the group; one inside a split part draws
 the same mask for each rank's heads. Checkpoints hold whole tensors
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.tensor_parallel import BlockTensorPlan, local
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 __all__ = [
     "agree_random_state", "as_gradient", "check_stage", "is_split", "like_parameter", "local", "mesh_of",

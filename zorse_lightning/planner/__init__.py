@@ -15,7 +15,7 @@ from zorse_lightning.planner.baselines import (
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan, Prediction, SolverRecord, StagePlan
+from zorse_lightning.schedule.plan import Plan, Prediction, SolverRecord, StagePlan
 from zorse_lightning.planner.search import make_plan
 from zorse_lightning.planner.cost.simulate import EventKind, Timeline, TimelineEvent, simulate
 

@@ -23,7 +23,7 @@ from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.grouping import unused_ranks
 from zorse_lightning.planner.heuristic import HEURISTIC, priced, proportional_plan, speed_by_type
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.problem import layout_plan, stage_plan
 
 

@@ -27,7 +27,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import baseline_plans
 from zorse_lightning.planner.choice import price
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search import make_plan

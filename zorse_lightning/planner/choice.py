@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.simulate import with_simulated_prediction
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 IDLE_MARGIN = 0.02
 """How much faster (a fraction of the iteration time) a plan leaving GPUs idle must be than the fastest plan

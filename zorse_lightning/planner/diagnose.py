@@ -9,7 +9,7 @@ from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, stage_memory
 from zorse_lightning.planner.grouping import Layout
 from zorse_lightning.planner.cost.memory import RankMemory
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.units import bytes_to_gib

@@ -26,7 +26,7 @@ from zorse_lightning.planner.cost.evaluate import (
 )
 from zorse_lightning.planner.heuristic import balanced_plan
 from zorse_lightning.planner.offload_choice import offloaded_where_over
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, Candidate, build_problem
 
 

@@ -18,7 +18,7 @@ from zorse_lightning.planner.cost.compute import per_sample_layer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.ilp import AssignmentProblem, layer_options
-from zorse_lightning.planner.plan import Plan, SolverRecord
+from zorse_lightning.schedule.plan import Plan, SolverRecord
 from zorse_lightning.planner.problem import (
     SEARCH_SHARDING,
     WindowCosts,

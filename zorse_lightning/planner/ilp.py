@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.plan import SolverRecord
+from zorse_lightning.schedule.plan import SolverRecord
 
 SOLVER_NAME = "pulp-cbc"
 

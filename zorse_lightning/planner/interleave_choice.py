@@ -38,7 +38,7 @@ from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
 from zorse_lightning.planner.interleaving import degrees, interleave, with_layer_counts
 from zorse_lightning.planner.offload_choice import offloaded_where_over
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.problem import SEARCH_SHARDING, with_free_memory_shards
 from zorse_lightning.planner.cost.simulate import simulate
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 
 
 def chunk_sizes(num_layers: int, degree: int) -> list[int]:

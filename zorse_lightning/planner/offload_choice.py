@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 
 def offloaded_where_over(ctx: CostContext, plan: Plan, cost: PlanCost) -> Plan | None:

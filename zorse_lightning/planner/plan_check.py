@@ -18,7 +18,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.memory import host_memory_overruns, stage_state_bytes
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.units import bytes_to_gib
 
 

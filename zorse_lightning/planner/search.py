@@ -71,7 +71,7 @@ from zorse_lightning.planner.heuristic import HEURISTIC, priced, speed_by_type
 from zorse_lightning.planner.ilp import SOLVER_NAME, solve_assignment
 from zorse_lightning.planner.interleave_choice import FINALISTS, GAINING_FINALISTS, REACH, best_case_ms, interleaved_if_faster
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan, SolverRecord
+from zorse_lightning.schedule.plan import Plan, SolverRecord
 from zorse_lightning.planner.problem import (
     SEARCH_SHARDING,
     Candidate,

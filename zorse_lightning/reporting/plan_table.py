@@ -19,7 +19,7 @@ from rich.table import Table
 
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import plan_cost
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.units import bytes_to_gib
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.cost.simulate import simulate
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")

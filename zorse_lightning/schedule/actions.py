@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 
 
 class ActionKind(str, Enum):

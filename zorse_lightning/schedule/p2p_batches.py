@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zorse_lightning.planner.actions import Action
-from zorse_lightning.planner.p2p_batches import HostCollective, P2PBatch
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.actions import Action
+from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch
+from zorse_lightning.schedule.plan import Plan
 
 
 def shared_rank_sets(plan: Plan) -> tuple[tuple[int, ...], ...]:

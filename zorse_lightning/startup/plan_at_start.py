@@ -54,7 +54,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import CutError, find_block_list
 from zorse_lightning.planner.baselines import unprofiled_data_parallel
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling.measure import ForwardContext
 from zorse_lightning.profiling.profile import ModelProfile

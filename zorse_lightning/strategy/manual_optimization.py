@@ -37,7 +37,7 @@ from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.tensor_parallel import as_gradient, local
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, replay
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 def check_manual_plan(plan: Plan, module: nn.Module, precision_plugin: Any) -> None:
     """A module that optimises by hand needs one stage of every rank, unsharded, without loss scaling."""

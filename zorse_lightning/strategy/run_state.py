@@ -14,7 +14,7 @@ from zorse_lightning.engine.checkpoint.relaunch import RemoteFiles
 from zorse_lightning.engine.checkpoint.survivors import RecoveryReport, SurvivorKeeper
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.faults import SigtermKeeper, Watchdog
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.startup.plan_at_start import StartupResult
 from zorse_lightning.strategy.gradient_stash import GradientStash
 from zorse_lightning.strategy.log_capture import LogMerger

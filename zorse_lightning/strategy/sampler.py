@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, 
 from zorse_lightning.module.stage_weights import WeightSource
 from zorse_lightning.module.tensor_parallel import Style
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.startup.detection import detect_cluster, placed_inventory
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
@@ -89,7 +89,7 @@ class ZorseStrategy(CheckpointHooks):
     Args:
         cluster: the inventory: a name in ``conf/cluster/`` (``"cpu_sim4"``), a YAML path, a mapping or a
             :class:`~zorse_lightning.cluster.inventory.ClusterInventory`. None: detected from the ranks' devices.
-        plan: a :class:`~zorse_lightning.planner.plan.Plan` or a ``plan.json`` to run as it is; None: profiled
+        plan: a :class:`~zorse_lightning.schedule.plan.Plan` or a ``plan.json`` to run as it is; None: profiled
             and planned at start on the cluster.
         planner_options: the planner's knobs and pins (:class:`~zorse_lightning.planner.options.PlannerOptions`);
             only used when planning at start.

@@ -37,7 +37,7 @@ from zorse_lightning.engine.checkpoint.shards import Holder, all_gather, assembl
 from zorse_lightning.engine.checkpoint.shards import load as load_checkpoint
 from zorse_lightning.engine.checkpoint.survivors import KeptIndex, RecoveryPolicy, RecoveryReport, survivors_directory
 from zorse_lightning.module.blocks import BlockList
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 
 def _kept_here(directory: Path) -> list[KeptIndex]:

@@ -31,7 +31,7 @@ from zorse_lightning.engine.checkpoint.by_name import ByName, OpenedFiles, optim
 from zorse_lightning.engine.checkpoint.files import (
     COMMON, CheckpointError, Gather, is_checkpoint_directory, read_file, read_manifest, shard_name, verify_files,
 )
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.module.materialize import holds_values
 
 NAMED_STATE_KEY = "zorse_state_by_name"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zorse_lightning.planner.cost.comm import transfer_ms
-from zorse_lightning.planner.plan import Plan, StagePlan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 
 if TYPE_CHECKING:
     from zorse_lightning.planner.cost.context import CostContext

@@ -10,8 +10,8 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per_microbatch
 from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
-from zorse_lightning.planner.plan import Plan
-from zorse_lightning.planner.schedule import one_f_one_b_limit
+from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.schedule.programs import one_f_one_b_limit
 
 if TYPE_CHECKING:
     from zorse_lightning.planner.cost.context import CostContext, StageCost

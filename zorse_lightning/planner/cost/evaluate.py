@@ -42,9 +42,9 @@ from zorse_lightning.planner.cost.memory import (
     stage_state_bytes,
     transient_bytes,
 )
-from zorse_lightning.planner.plan import Plan, Prediction, StagePlan
-from zorse_lightning.planner.p2p_batches import P2PBatch, rank_batches
-from zorse_lightning.planner.schedule import Action, ActionKind, played_programs
+from zorse_lightning.schedule.plan import Plan, Prediction, StagePlan
+from zorse_lightning.schedule.p2p_batches import P2PBatch, rank_batches
+from zorse_lightning.schedule.programs import Action, ActionKind, played_programs
 from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
 from zorse_lightning.units import bytes_to_gib
 

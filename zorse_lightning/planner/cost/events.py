@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from zorse_lightning.planner.actions import ActionKind, Message
+from zorse_lightning.schedule.actions import ActionKind, Message
 from zorse_lightning.planner.cost.boundaries import boundary_message_bytes
 from zorse_lightning.planner.cost.comm import LinkKey, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.plan import Plan
 
 
 class EventKind(str, Enum):

@@ -42,6 +42,7 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
+from zorse_lightning.schedule.programs import one_f_one_b_warmup
 
 DEFAULT_RESERVE_GIB = 0.5
 """CUDA context and allocator fragmentation on a real GPU (NCCL's buffers apart: :class:`NcclBuffers`)."""
@@ -313,22 +314,6 @@ def transient_bytes(profile: ModelProfile, microbatch_size: int, *, first: bool,
     edges' transients, the head's above all (its logits' gradients)."""
     edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
     return float(sum(b.transient_bytes_per_sample * microbatch_size + b.transient_bytes_per_microbatch for b in edges))
-
-
-def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
-    """Forwards a rank of stage ``stage_index`` runs before its first backward under 1F1B.
-
-    Equal single-rank stages need one per later stage (``S - 1 - i``): the
-    classic warm-up. A later stage of ``w_j`` ranks fed by ``w_i`` ranks needs
-    ``ceil(w_j / w_i)`` from each feeder to give every one of its ranks a
-    microbatch; with only one, a narrow stage feeding a wide one kept a single
-    microbatch per later stage in flight and the wide stage's ranks took turns
-    (measured: 4.45 s a step against 1.5 s of compute, 1 rank feeding 3).
-    The engine's schedule (``planner/schedule.py``) and this memory model use
-    this one count.
-    """
-    mine = stage_widths[stage_index]
-    return sum(-(-width // mine) for width in stage_widths[stage_index + 1 :])
 
 
 def microbatches_in_flight(

@@ -55,8 +55,8 @@ from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction, schedule_batches, schedule_programs
 from zorse_lightning.planner.cost.events import EventKind, Route, Timeline, TimelineEvent, message_route
 from zorse_lightning.planner.cost.stream_play import StreamPlay
-from zorse_lightning.planner.plan import Plan
-from zorse_lightning.planner.schedule import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.schedule.programs import Action, ActionKind, Message, messages_of
 
 __all__ = ["EventKind", "Timeline", "TimelineEvent", "simulate", "with_simulated_prediction"]
 

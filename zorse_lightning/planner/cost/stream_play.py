@@ -44,14 +44,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
 from zorse_lightning.planner.cost.compute import MicrobatchTimes
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost
 from zorse_lightning.planner.cost.events import EventKind, Route, TimelineEvent, message_route
 from zorse_lightning.planner.cost.phases import CollectiveBackend
-from zorse_lightning.planner.p2p_batches import P2PBatch
-from zorse_lightning.planner.plan import Plan
+from zorse_lightning.schedule.p2p_batches import P2PBatch
+from zorse_lightning.schedule.plan import Plan
 
 BatchAt = tuple[int, int]
 """(rank, index of the batch in the rank's posting order)."""
@@ -149,7 +149,7 @@ class StreamPlay:
         if stuck:
             raise PlanningError(
                 f"the play of the plan's batches under NCCL's rules stopped short (ranks {stuck}): their batches are "
-                f"not those of planner.p2p_batches.rank_batches, which play_rendezvous would have refused"
+                f"not those of schedule.p2p_batches.rank_batches, which play_rendezvous would have refused"
             )
         self.free_at = [s.ended_ms for s in self._streams]
         self.drained_at = [max([s.host_ms, *s.completed_ms]) for s in self._streams]
