@@ -10,6 +10,16 @@ from zorse_lightning.units import gb_per_s_to_gbps
 PCIE3_X16_GBPS = gb_per_s_to_gbps(16)
 """A PCIe 3.0 x16 link, each way (16 GB/s as sold; about 12 measured): the host link a type has unless it says."""
 
+DEFAULT_TENSOR_PARALLEL_EFFICIENCY = 0.9
+"""Compute of a block split over ``t`` GPUs of one type = its one-GPU time / (``t`` x this), its collectives apart
+(priced on the machine's links by the cost model, run for real by the emulation). Each rank's matrix products are
+``t`` times narrower, which runs a GPU further from its peak, and the parts a split leaves whole (norms, residual
+adds, rotary embeddings) are not divided. Not measured here (no machine of this project holds two GPUs of a type):
+a catalogued figure, bounded by Megatron-LM's 77 % weak-scaling efficiency at 8-way tensor parallelism of an 8.3 B
+GPT on DGX-2H *including* its all-reduces (Shoeybi et al. 2019, arXiv 1909.08053, section 5.1), of which the
+compute alone keeps more. A profile that measured a type's split blocks overrides it
+(``DeviceTimes.tensor_parallel_efficiency``)."""
+
 
 @dataclass(frozen=True)
 class GpuType:
@@ -43,6 +53,10 @@ class GpuType:
     """Device memory one NCCL communicator took on this type, outside torch's allocator: measured at setup (the
     largest of its ranks', :mod:`zorse_lightning.engine.nccl_memory`); None: priced from NCCL's settings
     (:class:`zorse_lightning.planner.cost.memory.NcclBuffers`)."""
+    tensor_parallel_efficiency: float = DEFAULT_TENSOR_PARALLEL_EFFICIENCY
+    """One-GPU block time / (``t`` x the time of its ``1/t`` split on one of ``t`` GPUs of this type), collectives
+    apart: what the planner prices a tensor-parallel block's compute by where no profile measured it, and what an
+    emulated rank's split blocks are charged (see :data:`DEFAULT_TENSOR_PARALLEL_EFFICIENCY`)."""
 
     def __post_init__(self) -> None:
         for field_name in ("memory_gib", "fp16_tflops", "memory_bandwidth_gbps", "peer_bandwidth_gbps", "host_link_gbps"):
@@ -52,6 +66,12 @@ class GpuType:
                     f"GPU type {self.name!r}: {field_name}={value!r} must be positive; "
                     f"give the datasheet figure in the units of the field name"
                 )
+        if not 0 < self.tensor_parallel_efficiency <= 1:
+            raise InventoryError(
+                f"GPU type {self.name!r}: tensor_parallel_efficiency={self.tensor_parallel_efficiency!r} must be in "
+                f"(0, 1] (a split block's compute runs at most t times faster); the default is "
+                f"{DEFAULT_TENSOR_PARALLEL_EFFICIENCY}"
+            )
         if self.bf16_tflops < 0:
             raise InventoryError(
                 f"GPU type {self.name!r}: bf16_tflops={self.bf16_tflops!r} must be >= 0 "

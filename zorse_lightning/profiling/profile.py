@@ -124,7 +124,19 @@ class DeviceTimes:
     action then hides under the device's compute, and an action takes the longer of the two, not the sum
     (on one H100, summed, the 168M Llama's step was predicted 23 % long)."""
 
+    tensor_parallel_efficiency: tuple[tuple[int, float], ...] = ()
+    """(degree ``t``, efficiency) measured on ``t`` GPUs of this type: one-GPU block time / (``t`` x the split
+    block's compute, collectives apart); a degree not listed is priced at the type's catalogued efficiency
+    (:attr:`~zorse_lightning.cluster.gpu_type.GpuType.tensor_parallel_efficiency`)."""
+
     def __post_init__(self) -> None:
+        for degree, efficiency in self.tensor_parallel_efficiency:
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 2 or not 0 < efficiency < float("inf"):
+                raise PlanningError(
+                    f"times of GPU type {self.gpu_type!r}: tensor_parallel_efficiency entry ({degree!r}, {efficiency!r}) "
+                    f"must pair a whole degree >= 2 with a positive finite efficiency (as measured); leave the degree "
+                    f"out to price it at the type's catalogued efficiency"
+                )
         for name in ("optimizer_ms_per_million_parameters", "action_overhead_ms"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < float("inf"):
@@ -156,6 +168,43 @@ class OptimizerProfile:
                 )
 
 
+NO_TENSOR_PARALLEL_PLAN = (
+    "the profile does not say which tensor-parallel degrees its blocks admit (no TP plan known); a measured profile "
+    "of a module with a TP plan, or a reference model's, says it"
+)
+
+
+@dataclass(frozen=True)
+class TensorParallelSupport:
+    """Which tensor-parallel degrees the model's blocks admit (their TP plan applies: heads, key/value heads and
+    every split width divisible by the degree), so the planner prices only those; and what a split leaves whole."""
+
+    degrees: tuple[int, ...] = ()
+    """Degrees ``t > 1`` every block admits, increasing; empty: none (the planner keeps every stage at TP 1)."""
+    reason: str = NO_TENSOR_PARALLEL_PLAN
+    """Why there are no degrees, or none beyond the largest (for a plan's notes)."""
+    replicated_parameters_per_layer: int = 0
+    """Parameters of a layer its TP plan leaves whole on every rank of a group (norms, row-wise biases); the
+    layers are alike (one block class), so one count serves all."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "degrees", tuple(self.degrees))
+        bad = [t for t in self.degrees if isinstance(t, bool) or not isinstance(t, int) or t < 2]
+        if bad or list(self.degrees) != sorted(set(self.degrees)):
+            raise PlanningError(
+                f"tensor-parallel degrees {list(self.degrees)} must be distinct whole numbers >= 2 in increasing order "
+                f"(TP 1 is always admitted and not listed)"
+            )
+        if self.replicated_parameters_per_layer < 0:
+            raise PlanningError(
+                f"replicated_parameters_per_layer={self.replicated_parameters_per_layer!r} must be >= 0 (a count of "
+                f"parameters every rank of a TP group holds whole)"
+            )
+
+    def admits(self, degree: int) -> bool:
+        return degree == 1 or degree in self.degrees
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     model: str
@@ -174,6 +223,8 @@ class ModelProfile:
     ``dtype``); None: the mixed-precision accounting of :mod:`zorse_lightning.planner.cost.memory` for ``dtype``."""
     optimizer: OptimizerProfile | None = None
     """The user's optimizer as measured; None: Adam's state and no step temporaries assumed."""
+    tensor_parallel: TensorParallelSupport = TensorParallelSupport()
+    """The TP degrees the blocks admit; default: none (a profile that does not say)."""
 
     @property
     def num_layers(self) -> int:

@@ -36,7 +36,7 @@ from zorse_lightning.profiling.estimate import (
     estimated_block_times,
     peak_flops_per_s,
 )
-from zorse_lightning.profiling.profile import BlockTimes, ModelProfile, ProfileSource, TimeCurve
+from zorse_lightning.profiling.profile import BlockTimes, ModelProfile, ProfileSource, TensorParallelSupport, TimeCurve
 from zorse_lightning.profiling.reference_data import ReferenceData, load_reference_data
 
 LLAMA_VOCAB = 32000
@@ -60,23 +60,52 @@ class ReferenceModel:
     vocab_size: int
     learned_positions: int
     tied_embedding_head: bool
+    heads: int
+    """Attention heads (and key/value heads: none of these models groups them), which a TP degree must divide."""
+
+
+LLAMA_HEADS = {"tiny": 32, "3b": 32, "7b": 32, "13b": 40, "33b": 52}
+"""Heads of the Llama shapes in the data (their public configs: TinyLlama, OpenLLaMA 3B, LLaMA 7B/13B/33B). The
+data's layers hold as many key/value heads: 4 h^2 of attention weights fits their parameter counts (TinyLlama's own
+4 grouped key/value heads would not)."""
+GPT_HEADS = {"1.3b": 16, "2.7b": 32, "6.7b": 32}
+"""Heads of DeepSpeed's Megatron GPT examples of these sizes (hidden 2048, 2560, 4096)."""
 
 
 def _llama(size: str) -> ReferenceModel:
     key = f"deepspeedllama_{size}"
-    return ReferenceModel(f"llama_{size}", "llama", key, (key,), LLAMA_VOCAB, 0, False)
+    return ReferenceModel(f"llama_{size}", "llama", key, (key,), LLAMA_VOCAB, 0, False, LLAMA_HEADS[size])
 
 
 def _gpt(size: str) -> ReferenceModel:
     # deepspeedgpt_* has separate forward/backward fits; gpt_* (one combined line) adds
     # T4 and V100-16GB at float16 and agrees with it where both exist (RTX 3090: 6.04 ms).
     key = f"deepspeedgpt_{size}"
-    return ReferenceModel(f"gpt_{size}", "gpt", key, (key, f"gpt_{size}"), GPT_VOCAB, GPT_POSITIONS, True)
+    return ReferenceModel(f"gpt_{size}", "gpt", key, (key, f"gpt_{size}"), GPT_VOCAB, GPT_POSITIONS, True, GPT_HEADS[size])
 
 
 REFERENCE_MODELS: Mapping[str, ReferenceModel] = MappingProxyType(
     {m.name: m for m in (*map(_llama, ("tiny", "3b", "7b", "13b", "33b")), *map(_gpt, ("1.3b", "2.7b", "6.7b")))}
 )
+
+
+def reference_tensor_parallel(model: ReferenceModel, shape: TransformerShape) -> TensorParallelSupport:
+    """The TP degrees a reference model's layers admit under Megatron's split (q, k, v and the MLP's first
+    projections column-wise, the output projections row-wise: Llama's ``base_model_tp_plan``, the project's GPT's
+    ``tp_plan``): those dividing its heads and its MLP width, read from its parameters per layer (Llama:
+    ``4 h^2 + 3 h f + 2 h``; GPT: ``f = 4 h``). What the split leaves whole: Llama's two norms (``2 h``); GPT's two
+    layer norms and its two row-wise biases (``6 h``)."""
+    h, per_layer = shape.hidden_size, shape.layer_parameters
+    if model.family == "llama":
+        mlp_width, replicated = (per_layer - 4 * h * h - 2 * h) // (3 * h), 2 * h
+    else:
+        mlp_width, replicated = 4 * h, 6 * h
+    degrees = tuple(t for t in range(2, model.heads + 1) if model.heads % t == 0 and mlp_width % t == 0)
+    reason = (
+        f"{model.name}: {model.heads} heads (as many key/value heads) and an MLP width of {mlp_width}; a degree must "
+        f"divide both"
+    )
+    return TensorParallelSupport(degrees, reason, replicated)
 """The alias table: selectable name -> data keys."""
 
 
@@ -239,6 +268,7 @@ def reference_profile(
         head=head,
         devices=devices,
         tied_embedding_head=spec.tied_embedding_head,
+        tensor_parallel=reference_tensor_parallel(spec, shape),
     )
 
 

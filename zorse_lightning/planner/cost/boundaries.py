@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zorse_lightning.planner.cost.comm import transfer_ms
+from zorse_lightning.planner.cost.tensor_parallel import tensor_parallel_pairs
 from zorse_lightning.schedule.plan import Plan, StagePlan
 
 if TYPE_CHECKING:
@@ -32,14 +33,15 @@ class BoundaryCost:
 
 
 def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
-    """Which rank sends how many consecutive microbatches to which rank across a boundary."""
-    send = [[r, n] for r, n in zip(sender.ranks, sender.microbatches_per_rank) if n > 0]
-    recv = [[r, n] for r, n in zip(receiver.ranks, receiver.microbatches_per_rank) if n > 0]
+    """Which rank sends how many consecutive microbatches to which rank across a boundary (between TP groups,
+    each pair of ranks that carries their messages: :func:`.tensor_parallel.tensor_parallel_pairs`)."""
+    send = [[g, n] for g, n in zip(sender.replicas, sender.microbatches_per_rank[:: sender.tensor_parallel]) if n > 0]
+    recv = [[g, n] for g, n in zip(receiver.replicas, receiver.microbatches_per_rank[:: receiver.tensor_parallel]) if n > 0]
     out: list[tuple[int, int, int]] = []
     i = j = 0
     while i < len(send) and j < len(recv):
         count = min(send[i][1], recv[j][1])
-        out.append((send[i][0], recv[j][0], count))
+        out.extend((a, b, count) for a, b in tensor_parallel_pairs(send[i][0], recv[j][0]))
         send[i][1] -= count
         recv[j][1] -= count
         i += send[i][1] == 0

@@ -66,7 +66,7 @@ def pipeline_elements(
 def _in_flight(plan: Plan, group: int, microbatches: int) -> int:
     """Forwards (chunk-forwards, interleaved) a rank of ``group`` with ``microbatches`` keeps in flight."""
     if plan.interleave == 1:
-        return microbatches_in_flight(plan.schedule, tuple(len(s.ranks) for s in plan.stages), group, microbatches)
+        return microbatches_in_flight(plan.schedule, tuple(len(s.replicas) for s in plan.stages), group, microbatches)
     forwards = microbatches * plan.interleave
     return forwards if plan.schedule is Schedule.GPIPE else min(forwards, one_f_one_b_limit(plan, group))
 

@@ -245,6 +245,16 @@ class LinkTable:
         per_byte_ms, latency_ms = self._linear_ms(("all_reduce", ranks), lambda: all_reduce_phases(ranks, 1.0))
         return num_bytes * per_byte_ms + latency_ms
 
+    def concurrent_all_reduce_ms(self, groups: tuple[tuple[int, ...], ...], num_bytes: float) -> float:
+        """All-reduces of ``num_bytes`` among each of ``groups`` (each in group order) at once: a TP stage's
+        data-parallel groups, one per TP index, whose flows share the links between machines they cross."""
+        if num_bytes <= 0 or all(len(g) <= 1 for g in groups):
+            return 0.0
+        per_byte_ms, latency_ms = self._linear_ms(
+            ("all_reduce_concurrent", groups), lambda: concurrent(*(all_reduce_phases(g, 1.0) for g in groups))
+        )
+        return num_bytes * per_byte_ms + latency_ms
+
     def to_owners_ms(self, ranks: tuple[int, ...], num_bytes: float, shares: tuple[float, ...]) -> float:
         """Each owner's share of ``num_bytes`` summed over ``ranks`` into that owner, as the engine does
         (``engine.sharding.StageShards.reduce_to_owners``: one blocking reduce per owner with a share,

@@ -14,6 +14,7 @@ from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbat
 from zorse_lightning.planner.cost.memory import (
     NcclBuffers, RankMemory, nccl_communicators, offloaded_bytes_per_microbatch, reserve_gib,
 )
+from zorse_lightning.planner.cost.tensor_parallel import split_device_times, tensor_parallel_efficiency
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
 
@@ -56,15 +57,22 @@ class CostContext:
 
     def microbatch_times(
         self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, first: bool, last: bool, recompute: bool,
-        offload: bool = False,
+        offload: bool = False, tensor_parallel: int = 1,
     ) -> MicrobatchTimes:
         """:func:`stage_microbatch_times` of this context's profile, computed once per arguments; ``offload``:
-        with the activation copies over the type's host link (:func:`with_offload_copies`)."""
-        key = (gpu_type, layers, microbatch_size, first, last, recompute, offload)
+        with the activation copies over the type's host link (:func:`with_offload_copies`); ``tensor_parallel``:
+        the compute of one rank of a TP group of that many, its collectives apart (:mod:`.tensor_parallel`)."""
+        key = (gpu_type, layers, microbatch_size, first, last, recompute, offload, tensor_parallel)
         if key not in self._microbatch_times:
+            device = self.profile.times(gpu_type)
+            if tensor_parallel > 1:
+                kind = next(t for t in self.inventory.gpu_types if t.name == gpu_type)
+                device = split_device_times(
+                    device, tensor_parallel, tensor_parallel_efficiency(device, kind, tensor_parallel)
+                )
             times = stage_microbatch_times(
-                self.profile.times(gpu_type), layers, microbatch_size, first=first, last=last, recompute=recompute,
-                action_ms=self.action_overhead_ms(gpu_type), overlaps=self.profile.times(gpu_type).host_overlaps_device,
+                device, layers, microbatch_size, first=first, last=last, recompute=recompute,
+                action_ms=self.action_overhead_ms(gpu_type), overlaps=device.host_overlaps_device,
             )
             if offload:
                 times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size, recompute))

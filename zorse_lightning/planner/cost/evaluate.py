@@ -42,6 +42,7 @@ from zorse_lightning.planner.cost.memory import (
     stage_state_bytes,
     transient_bytes,
 )
+from zorse_lightning.planner.cost.tensor_parallel import rank_parameters, stage_rank_times, tensor_parallel_sync_ms
 from zorse_lightning.schedule.plan import Plan, Prediction, StagePlan
 from zorse_lightning.schedule.p2p_batches import P2PBatch, rank_batches
 from zorse_lightning.schedule.programs import Action, ActionKind, played_programs
@@ -103,11 +104,14 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) ->
     """The stage's costs; ``memory`` False leaves its memory out (empty: see :func:`plan_cost`)."""
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
-    by_type = {
-        t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute, stage.offload_activations)
-        for t in set(stage.gpu_types)
-    }
-    times = tuple(by_type[t] for t in stage.gpu_types)
+    if stage.tensor_parallel > 1:
+        times = stage_rank_times(ctx, stage, plan.microbatch_size, first, last)
+    else:
+        by_type = {
+            t: ctx.microbatch_times(t, stage.layers, plan.microbatch_size, first, last, stage.recompute, stage.offload_activations)
+            for t in set(stage.gpu_types)
+        }
+        times = tuple(by_type[t] for t in stage.gpu_types)
     totals = [t.total_ms for t in times]
     counts = list(stage.microbatches_per_rank)
     if stage.gather_per_microbatch:
@@ -125,14 +129,17 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) ->
 
 
 def stage_parameters_of(ctx: CostContext, plan: Plan, index: int, stage: StagePlan | None = None) -> StageParameters:
-    """Parameters the ranks of stage ``index`` hold (with ``stage`` put in its place), embedding and
-    head included: on an interleaved plan those of every chunk of the stage's group."""
+    """Parameters each rank of stage ``index`` holds (with ``stage`` put in its place), embedding and
+    head included: on an interleaved plan those of every chunk of the stage's group; under tensor
+    parallelism its share of the split layers (:func:`.tensor_parallel.rank_parameters`)."""
     chunks = plan.stages_of_group(plan.group_of_stage(index))
     last = len(plan.stages) - 1
-    return combined_parameters(tuple(
+    whole = combined_parameters(tuple(
         stage_parameter_counts(ctx.profile, (stage or plan.stages[s] if s == index else plan.stages[s]).layers, first=s == 0, last=s == last)
         for s in chunks
     ))
+    degree = (stage or plan.stages[index]).tensor_parallel
+    return rank_parameters(whole, degree, ctx.profile.tensor_parallel.replicated_parameters_per_layer)
 
 
 def gather_round_ms_of(ctx: CostContext, plan: Plan, index: int) -> float:
@@ -154,6 +161,8 @@ def stage_own_sync_ms(ctx: CostContext, plan: Plan, index: int, stage: StagePlan
     parameters = stage_parameters_of(ctx, plan, index, stage)
     synced = parameters.edges if stage.gather_per_microbatch else parameters.total
     per = profile_state_bytes(ctx.profile)
+    if stage.tensor_parallel > 1:
+        return tensor_parallel_sync_ms(ctx.links, stage, synced * per.weights, synced * per.gradients)
     return stage_sync_ms(
         ctx.links, stage.ranks, synced * per.weights, synced * per.gradients, stage.sharding, stage.shard_fractions
     )
@@ -205,11 +214,11 @@ def stage_memory(
     first, last = index == 0, index == len(plan.stages) - 1
     per_microbatch = activation_bytes_per_microbatch(
         ctx.profile, stage.layers, plan.microbatch_size, first=first, last=last, recompute=stage.recompute,
-        offload=stage.offload_activations,
+        offload=stage.offload_activations, tensor_parallel=stage.tensor_parallel,
     )
     host_per_microbatch = _host_bytes(ctx, plan, stage)
     running = transient_bytes(ctx.profile, plan.microbatch_size, first=first, last=last) + _working_bytes(ctx, plan, stage)
-    widths, schedule = tuple(len(s.ranks) for s in plan.stages), plan.schedule
+    widths, schedule = tuple(len(s.replicas) for s in plan.stages), plan.schedule
     alike: dict[tuple, RankMemory] = {}  # identical GPUs of big stages share one record
     out = []
     for rank, n, fraction, updated in zip(stage.ranks, stage.microbatches_per_rank, fractions, stepped):
@@ -284,7 +293,7 @@ def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], 
     per_microbatch = [
         _host_bytes(ctx, plan, s) if host else activation_bytes_per_microbatch(
             ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute,
-            offload=s.offload_activations,
+            offload=s.offload_activations, tensor_parallel=s.tensor_parallel,
         )
         for i, s in enumerate(plan.stages)
     ]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.cost.tensor_parallel import split_layer_activation_bytes
 from zorse_lightning.profiling.profile import BlockShape, ModelProfile
 from zorse_lightning.schedule.programs import one_f_one_b_warmup
 
@@ -235,7 +236,7 @@ def stage_parameter_counts(profile: ModelProfile, layers: tuple[int, int], *, fi
 
 def activation_bytes_per_microbatch(
     profile: ModelProfile, layers: tuple[int, int], microbatch_size: int, *, first: bool, last: bool, recompute: bool,
-    offload: bool = False,
+    offload: bool = False, tensor_parallel: int = 1,
 ) -> float:
     """Bytes one microbatch keeps on the stage between its forward and its backward.
 
@@ -247,7 +248,9 @@ def activation_bytes_per_microbatch(
     the device but the stage's output (held for its gradient); what they save is in
     host memory (:func:`offloaded_bytes_per_microbatch`: with recomputation, only their
     inputs), and the microbatch whose backward runs holds :func:`offload_working_bytes`
-    besides.
+    besides. On a rank of a TP group (``tensor_parallel`` = t > 1) each layer keeps
+    its split share (:func:`~.tensor_parallel.split_layer_activation_bytes`); the
+    layers' inputs and the embedding and head stay whole.
     """
     start, end = layers
     edges = ([profile.embedding] if first else []) + ([profile.head] if last else [])
@@ -256,6 +259,12 @@ def activation_bytes_per_microbatch(
     chosen = profile.layers[start:end]
     if offload:
         per_sample += chosen[-1].output_bytes_per_sample
+    elif tensor_parallel > 1:
+        split = [split_layer_activation_bytes(b, microbatch_size, tensor_parallel) for b in chosen]
+        if not recompute:
+            return per_sample * microbatch_size + fixed + sum(split)
+        per_sample += sum(b.output_bytes_per_sample for b in _layer_inputs(profile, layers))
+        fixed += max(split)
     elif recompute:
         per_sample += sum(b.output_bytes_per_sample for b in _layer_inputs(profile, layers))
         largest = max(chosen, key=lambda b: b.activation_bytes_per_sample * microbatch_size + b.activation_bytes_per_microbatch)
