@@ -15,6 +15,10 @@ the forward copies out, its backward copies the same bytes back, each beside the
 compute it hides under, as the cost model's ``with_offload_copies`` prices them.
 A block whose stage recomputes its activations reruns its forward in its backward,
 and is charged it there, as the cost model's ``stage_microbatch_times`` prices it.
+A block split over a tensor-parallel group of ``t`` ranks is charged its one-GPU
+cost (calibrated on the whole block at start-up) over ``t`` times the type's
+efficiency, as the cost model's :mod:`~zorse_lightning.planner.cost.tensor_parallel`
+prices its compute; its collectives run for real inside that window.
 """
 
 from __future__ import annotations
@@ -148,6 +152,9 @@ class ComputeEmulator:
         self.spec = spec
         self.rank = rank
         self._costs: dict[str, CallCost] = dict(costs or {})
+        self._whole_costs: set[str] = set(self._costs)
+        """Keys of the costs given (start-up calibrates whole blocks): a split block is charged those over its
+        degree; one it calibrates itself, already split, is charged as measured."""
         self._handles: list[RemovableHandle] = []
         self._modules: tuple[nn.Module, ...] = ()
         self._counters = _Counters()
@@ -171,6 +178,10 @@ class ComputeEmulator:
         :class:`~zorse_lightning.emulation.stage.StageEmulation`): the backward reruns the forward, so it is
         charged the forward's cost too. The rerun calls the forward inside the module, past its hooks: without
         this the rerun's real compute hid under the backward's deadline and recomputation cost nothing here."""
+        self.split: Mapping[int, int] = {}
+        """Ids of the blocks split over a tensor-parallel group -> the group's ranks (set by
+        :class:`~zorse_lightning.emulation.stage.StageEmulation` from the blocks' split weights): charged their
+        whole-block cost over the degree times ``spec.tensor_parallel_efficiency`` (:meth:`_charge_factor`)."""
 
     # -- counters ------------------------------------------------------------------------
 
@@ -219,6 +230,7 @@ class ComputeEmulator:
     def load_costs(self, costs: Mapping[str, CallCost]) -> None:
         """Use ``costs`` (calibrated elsewhere: another run, :func:`calibrate_in_turn`) for their keys."""
         self._costs.update(costs)
+        self._whole_costs.update(costs)
 
     # -- memory --------------------------------------------------------------------------
 
@@ -316,7 +328,7 @@ class ComputeEmulator:
             cost = self._costs.get(key)
             if cost is None:
                 cost = self._costs[key] = _plain_cost(calibrate_call(module, args, kwargs, samples), recomputed)
-            charged = self.spec.slowdown * (samples or 1)
+            charged = self._charge_factor(module, key) * (samples or 1)
             call = _Call(start=time.perf_counter(), emulated_s=charged * cost.forward_s_per_sample)
             backward_s = cost.backward_s_per_sample + (cost.forward_s_per_sample if recomputed else 0.0)
             if self.offloaded_bytes is not None:
@@ -334,6 +346,14 @@ class ComputeEmulator:
             return args, kwargs
 
         return hook
+
+    def _charge_factor(self, module: nn.Module, key: str) -> float:
+        """Emulated seconds per calibrated second of ``module``'s call under ``key``: the slowdown, over the TP
+        degree at the type's efficiency for a split block whose cost was calibrated whole."""
+        degree = self.split.get(id(module), 1)
+        if degree == 1 or key not in self._whole_costs:
+            return self.spec.slowdown
+        return self.spec.slowdown / (degree * self.spec.tensor_parallel_efficiency)
 
     def _post_hook(self) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zorse_lightning.cluster.gpu_type import PCIE3_X16_GBPS
+from zorse_lightning.cluster.gpu_type import DEFAULT_TENSOR_PARALLEL_EFFICIENCY, PCIE3_X16_GBPS
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import InventoryError, ZorseUserError
 from zorse_lightning.units import gib_to_bytes
@@ -27,6 +27,9 @@ class EmulationSpec:
     host_link_gbps: float = PCIE3_X16_GBPS
     """The type's link to host memory, each way (``GpuType.host_link_gbps``): the rate of activation offload's
     copies, which a call that offloads is charged where they outlast its compute."""
+    tensor_parallel_efficiency: float = DEFAULT_TENSOR_PARALLEL_EFFICIENCY
+    """The type's ``GpuType.tensor_parallel_efficiency``: a block split over ``t`` ranks is charged its one-GPU
+    cost over ``t`` times this, as the planner prices it."""
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:
@@ -63,6 +66,7 @@ def emulation_spec_for_rank(
         slowdown=fastest_slowdown * fastest_tflops / gpu.gpu_type.peak_tflops,
         memory_budget_bytes=int(gib_to_bytes(gpu.memory_gib)),
         host_link_gbps=gpu.gpu_type.host_link_gbps,
+        tensor_parallel_efficiency=gpu.gpu_type.tensor_parallel_efficiency,
     )
 
 

@@ -6,12 +6,13 @@ the engine) to the emulator :class:`~zorse_lightning.emulation.rank.RankEmulatio
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
 from zorse_lightning.emulation.rank import RankEmulation
@@ -50,9 +51,11 @@ class StageEmulation:
         emulator.batch_samples = microbatch_size  # the engine calls the step per microbatch
         if offload is not None:
             emulator.offloaded_bytes = lambda: offload.offloaded_bytes
+        found = cut.blocks if cut is not None else find_block_list_or_none(module)
+        blocks = found.blocks if found is not None else ()
         if recompute:
-            found = cut.blocks if cut is not None else find_block_list_or_none(module)
-            emulator.recomputed = frozenset(id(b) for b in found.blocks) if found is not None else frozenset()
+            emulator.recomputed = frozenset(id(b) for b in blocks)
+        emulator.split = split_block_degrees(blocks)
         boundaries = None
         if cut is not None:
             boundaries = _StageBoundaries(cut)  # after instrument: its hooks run around the emulator's
@@ -104,6 +107,17 @@ def _stand_ins(root: nn.Module, cut: StageCut):
     for name in cut.analysis.pre_modules:
         stage_of.update((id(m), 0) for m in root.get_submodule(name).modules())
     return lambda module: stage_of.get(id(module), cut.active) != cut.active
+
+
+def split_block_degrees(blocks: Sequence[nn.Module]) -> dict[int, int]:
+    """Id -> TP degree of each block split over a tensor-parallel group (its weights are DTensors on the group's
+    mesh: the engine splits a stage's blocks before the emulation starts); blocks held whole are left out."""
+    degrees = {}
+    for block in blocks:
+        mesh = next((p.device_mesh for p in block.parameters() if isinstance(p, DTensor)), None)
+        if mesh is not None and mesh.size() > 1:
+            degrees[id(block)] = mesh.size()
+    return degrees
 
 
 class _StageBoundaries:
