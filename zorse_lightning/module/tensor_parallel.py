@@ -209,6 +209,48 @@ def tensor_parallel_choice(
     return TensorParallelChoice(degree, plan)
 
 
+@dataclass(frozen=True)
+class AdmittedDegrees:
+    """The TP degrees a module's blocks admit, for its profile (the planner prices only these)."""
+
+    degrees: tuple[int, ...]
+    """Degrees ``2..most`` at which every block's plan applies, increasing."""
+    reason: str
+    """Why none, or why not the others up to ``most``."""
+    replicated_parameters: int
+    """Parameters of one block its plan leaves whole on every rank (norms, row-wise biases, unsplit modules)."""
+
+
+def admitted_degrees(
+    root: nn.Module, blocks: BlockList, most: int, given: Mapping[str, Style] | None = None
+) -> AdmittedDegrees:
+    """The degrees ``2..most`` (``most``: the most GPUs of one type on one machine) at which
+    :func:`tensor_parallel_choice` keeps the degree asked, with the first refusal's reason."""
+    degrees, reasons, plan = [], [], None
+    for degree in range(2, most + 1):
+        choice = tensor_parallel_choice(root, blocks, degree, given)
+        plan = choice.plan or plan
+        if choice.degree == degree:
+            degrees.append(degree)
+        elif choice.plan is None:
+            return AdmittedDegrees((), choice.reason, 0)
+        else:
+            reasons.append(f"tensor_parallel={degree}: " + "; ".join(choice.problems))
+    reason = reasons[0] if reasons else f"every degree up to {most} applies"
+    return AdmittedDegrees(tuple(degrees), reason, _replicated_parameters(blocks.blocks[0], plan) if plan else 0)
+
+
+def _replicated_parameters(block: nn.Module, plan: BlockTensorPlan) -> int:
+    """Parameters of ``block`` that ``plan`` does not split: those of modules it names no style for, and the
+    biases of row-wise ones (each rank adds the whole bias once its partial sums are reduced)."""
+    split = 0
+    for key, style in plan.styles.items():
+        rowwise = isinstance(style, RowwiseParallel) or (isinstance(style, str) and style.startswith("rowwise"))
+        for _, module in _matched(block, key):
+            split += sum(p.numel() for name, p in module.named_parameters() if not (rowwise and name == "bias"))
+    return sum(p.numel() for p in block.parameters()) - split
+
+
 def require_block_plan(
     root: nn.Module, blocks: BlockList, degree: int, given: Mapping[str, Style] | None = None
 ) -> BlockTensorPlan:
