@@ -45,13 +45,16 @@ SUPPORTED_SHARDING: tuple[Sharding, ...] = (
     Sharding.OPTIMIZER_GRADIENTS,
     Sharding.FULL,
 )
-GATHER_PER_MICROBATCH_MAX_STAGES = 1
+SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES = True
 """``full`` sharding with parameters gathered block by block for each microbatch
-(``StagePlan.gather_per_microbatch``) runs only in plans of this many stages: every
-rank of the stage must make the same gathers in the same order, so a rank with fewer
-microbatches makes empty rounds after its own; inside a pipeline a rank's microbatches
-also wait on other stages, and contiguous uneven shares could then wait on each other
-in a cycle (a round-robin assignment of microbatches would lift this)."""
+(``StagePlan.gather_per_microbatch``) runs in any stage of a plan that is not interleaved. Every rank of
+the stage makes the same gathers in the same order, in rounds (:mod:`zorse_lightning.schedule.gathering_rounds`);
+inside a pipeline a round also waits on other stages, and whether rounds and messages can wait on each
+other in a cycle is the rendezvous play's to decide for each plan (``schedule.programs.build_schedule``
+refuses one that would hang)."""
+GATHER_PER_MICROBATCH_MAX_STAGES = 1 << 16
+"""No bound any more (:data:`SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES`): kept only for the search's
+one-stage pass (``planner/search.py``), which reads it until the search's rewrite (issue 37) drops it."""
 SUPPORTS_RECOMPUTATION = True
 SUPPORTS_INTERLEAVING = True
 """Plans may give each group of ranks several non-adjacent layer chunks (``Plan.interleave``): the

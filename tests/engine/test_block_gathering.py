@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from testing.plans import hand_plan
-from zorse_lightning.capabilities import Schedule
-from zorse_lightning.engine.block_gathering import EMPTY_ROUND, block_units, padded_program
+from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.engine.block_gathering import block_units
 from zorse_lightning.engine.sharding import refill, free, settle, true_numel, true_shape
 from zorse_lightning.module.materialize import holds_values
+from zorse_lightning.schedule.gathering_rounds import EMPTY_ROUND
 from zorse_lightning.schedule.programs import build_schedule
 from zorse_lightning.engine.checkpoint.shards import held_module_entries
 
@@ -21,12 +22,12 @@ def _kinds(program) -> str:
 
 def test_a_rank_with_fewer_microbatches_pads_each_schedule_to_the_busiest_rounds():
     for schedule, expected in [(Schedule.ONE_F_ONE_B, "FBfbfb"), (Schedule.GPIPE, "FffBbb")]:
-        plan = hand_plan([((0, 1), (3, 1), (0, 2))], schedule=schedule)
+        plan = hand_plan([((0, 1), (3, 1), (0, 2))], schedule=schedule, sharding=Sharding.FULL, gather_per_microbatch=True)
         built = build_schedule(plan)
-        padded = padded_program(built.for_rank(1), built.for_rank(0))
+        padded = built.rounds[1]
         assert _kinds(padded) == expected, (schedule, _kinds(padded))
         assert [a.microbatch for a in padded if a.microbatch != EMPTY_ROUND] == [3, 3]
-        assert padded_program(built.for_rank(0), built.for_rank(0)) == list(built.for_rank(0))
+        assert built.rounds[0] == built.for_rank(0)
 
 
 def test_weights_shared_outside_a_block_are_in_no_unit():

@@ -122,6 +122,26 @@ CASES = [
         reduce_in_backward=False,
     ),
     Case(
+        "two_stages_full_per_microbatch_uneven_1f1b_accumulate_clip",
+        [((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))],
+        sharding=Sharding.FULL,
+        gather_per_microbatch=True,
+        fractions={0: (0.6, 0.4), 1: (0.3, 0.7)},
+        clip=0.05,
+        accumulate=2,
+    ),
+    Case(
+        "one_then_three_full_per_microbatch_gpipe_recompute_adamw",
+        [((0,), (8,), (0, 1)), ((1, 2, 3), (4, 2, 2), (1, 4))],
+        schedule=Schedule.GPIPE,
+        sharding=Sharding.FULL,
+        gather_per_microbatch=True,
+        fractions={1: (0.5, 0.2, 0.3)},
+        recompute=True,
+        adamw=True,
+        reduce_in_backward=False,
+    ),
+    Case(
         "interleaved_two_groups_uneven_1f1b_accumulate_clip",
         [((0, 1), (3, 1), (0, 1)), ((2, 3), (1, 3), (1, 2)), ((0, 1), (3, 1), (2, 3)), ((2, 3), (1, 3), (3, 4))],
         interleave=2,
@@ -328,6 +348,7 @@ def _run_case(rank: int, case: Case) -> dict:
         "held_after_prepare": held_after_prepare,
         "held_at_a_step_start": peak_held,
         "offloaded_bytes": engine.offload.offloaded_bytes if engine.offload is not None else 0,
+        "exchange_groups": {str(sorted(k)): dist.get_process_group_ranks(g) for k, g in groups.shared_groups.items()},
     }
 
 
@@ -433,3 +454,18 @@ def test_optimizer_state_is_sharded_unevenly(results):
         assert abs(share - wanted) < 0.08, shares
     states = [r["data_parallel_uneven_sharded"]["optimizer_state_tensors"] for r in results]
     assert sum(states) == len(list(_model(next(c for c in CASES if c.name == "data_parallel_uneven_sharded")).parameters()))
+
+
+def test_a_tied_weight_crosses_between_stages_once_not_over_every_rank_of_both(results):
+    """The tied embedding and head (first and last stage) are summed inside each stage, then exchanged between
+    one representative rank per stage (each stage's first), whose group holds those two ranks only: the
+    exactness above holds with it (every case ties them), and no group of both stages' ranks is made."""
+    expected = {
+        "two_stages_replicated_3_1_then_1_3": [{"[0, 1]": [0, 2]}, {}, {"[0, 1]": [0, 2]}, {}],
+        "one_then_three_5_2_1_clip": [{"[0, 1]": [0, 1]}, {"[0, 1]": [0, 1]}, {}, {}],
+        "three_stages_gpipe_sharded_recompute": [
+            {"[0, 2]": [0, 3], "[0, 1, 2]": [0, 1, 3]}, {"[0, 1, 2]": [0, 1, 3]}, {}, {"[0, 2]": [0, 3], "[0, 1, 2]": [0, 1, 3]},
+        ],
+    }
+    for case, groups in expected.items():
+        assert [r[case]["exchange_groups"] for r in results] == groups, case

@@ -89,9 +89,13 @@ def test_a_reduction_started_inside_the_last_backward_hangs_a_replicated_stage_a
     plan = hand_plan([((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))])
     schedule = build_schedule(plan)  # plays the placed collectives
     assert [c.what for c in schedule.collectives[2]] == [
-        "the gradient reduction of stages [1]", "the step's loss over every rank", "the reduction of weights shared by ranks [0, 1, 2, 3]",
-        "the gradient norm over every rank",
+        "the gradient reduction of stages [1]", "the step's loss over every rank",
+        "the sum of weights shared by groups [0, 1] into rank 2", "the exchange of weights shared by groups [0, 1] between their groups",
+        "the broadcast of weights shared by groups [0, 1] from rank 2", "the gradient norm over every rank",
     ]
+    world = (0, 1, 2, 3)
+    assert [c.ranks for c in schedule.collectives[3]] == [(2, 3), world, (2, 3), (2, 3), world]  # rank 3 does not exchange
+    assert schedule.collectives[0][3].ranks == (0, 2)  # one representative of each stage does
     placed = schedule.collectives[2][0]
     assert (placed.after_actions, placed.after_batches, placed.at_end) == (2, len(schedule.batches[2]), False)
     with pytest.raises(PlanningError) as raised:

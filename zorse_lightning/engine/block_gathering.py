@@ -13,17 +13,19 @@ their owners once per step, like ``optimizer_gradients``.
 
 Every rank of the stage must make the same collectives in the same order. In a
 microbatch (a round) that order is fixed: forward, the gathers of blocks
-``0..L-1``; backward, for ``k = L-1..0`` the sums of the blocks after ``k`` not
-summed yet, then the gather of ``k - 1`` (``k``'s started before); after
-backward, the sums left. Autograd
-computes a block's weight gradients before the gradient of its input
-(``AccumulateGrad`` runs first), so when block ``k``'s output gradient arrives,
-block ``k + 1`` is done; a gradient that arrives after its block was summed
-raises rather than being lost. A rank with fewer microbatches than the stage's
-busiest makes empty rounds (gathers and zeros, no compute) at the places its
-schedule would have them (:func:`padded_program`). Only one-stage plans
-(``capabilities.GATHER_PER_MICROBATCH_MAX_STAGES``): inside a pipeline, the
-microbatches of a round wait on other stages.
+``0..L-1`` (of another stage's blocks: none); backward, for ``k = L-1..0`` the
+sums of the blocks after ``k`` not summed yet, then the gather of ``k - 1``
+(``k``'s started before); after backward, the sums left. Autograd computes a
+block's weight gradients before the gradient of its input (``AccumulateGrad``
+runs first), so when block ``k``'s output gradient arrives, block ``k + 1`` is
+done; a gradient that arrives after its block was summed raises rather than
+being lost. A rank with fewer microbatches than the stage's busiest makes empty
+rounds (gathers and zeros, no compute) at the places its schedule would have
+them (:mod:`..schedule.gathering_rounds`, which also says where a round meets
+the pipeline's messages). Inside a pipeline the stage's last block ends the
+microbatch on this rank by raising (:class:`~zorse_lightning.module.blocks.StageOutput`)
+before its forward hook runs: :meth:`BlockGathering.stage_ended` does that
+hook's work on the activation sent on.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from zorse_lightning.engine.sharding import Broadcast, StageShards, free
-from zorse_lightning.schedule.programs import Action, ActionKind
-
-EMPTY_ROUND = -1
-"""``Action.microbatch`` of a round without a microbatch (only the collectives)."""
 
 
 def block_units(root: nn.Module, blocks: Sequence[nn.Module], local: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -59,25 +57,6 @@ def block_units(root: nn.Module, blocks: Sequence[nn.Module], local: Sequence[nn
     return units
 
 
-def padded_program(program: Sequence[Action], busiest: Sequence[Action]) -> list[Action]:
-    """``program`` with empty rounds where the stage's busiest rank has actions this rank lacks, so that every
-    rank's sequence of forward and backward rounds is the busiest one's."""
-    forwards = [a for a in program if a.kind is ActionKind.FORWARD]
-    backwards = [a for a in program if a.kind is ActionKind.BACKWARD]
-    padded, done = [], set()
-    for action in busiest:
-        mine = forwards if action.kind is ActionKind.FORWARD else backwards
-        if mine:
-            chosen = mine.pop(0)
-            if chosen.kind is ActionKind.BACKWARD and chosen.microbatch not in done:
-                raise RuntimeError(f"padding the schedule put the backward of microbatch {chosen.microbatch} before its forward")
-            done.add(chosen.microbatch)
-        else:
-            chosen = Action(action.stage, action.kind, EMPTY_ROUND)
-        padded.append(chosen)
-    return padded
-
-
 def _in_backward() -> bool:
     """Whether autograd is running a backward now (a checkpointed block's recomputation)."""
     return torch._C._current_graph_task_id() != -1
@@ -92,6 +71,8 @@ class BlockGathering:
         self._gathered = [False] * len(units)
         self._summed = [False] * len(units)
         self._prefetched: dict[int, list[Broadcast]] = {}
+        self._running = 0
+        """The block whose forward ran last (the one that ends a stage inside a pipeline)."""
         self._handles = []
         for k, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(self._before_forward(k)))
@@ -111,6 +92,7 @@ class BlockGathering:
 
     def _before_forward(self, k: int):
         def hook(module: nn.Module, args: Any) -> None:
+            self._running = k
             self._gather(k)
             self._prefetch(k + 1)
 
@@ -118,15 +100,23 @@ class BlockGathering:
 
     def _after_forward(self, k: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
-                return  # a recomputation: the backward that follows needs the weights
-            if torch.is_grad_enabled():
-                for tensor in tree_leaves(output):
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(self._before_backward(k))
-            self._free(k)
+            if not _in_backward():  # a recomputation: the backward that follows needs the weights
+                self._forward_done(k, output)
 
         return hook
+
+    def _forward_done(self, k: int, output: Any) -> None:
+        """Block ``k``'s forward is over: gather it again when its output's gradient arrives; free it now."""
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._before_backward(k))
+        self._free(k)
+
+    def stage_ended(self, activation: torch.Tensor) -> None:
+        """The running block ended this rank's stage (it raised before its forward hook): do the hook's work on
+        the ``activation`` it sent on, whose gradient starts the stage's backward."""
+        self._forward_done(self._running, activation)
 
     def _before_backward(self, k: int):
         def hook(gradient: torch.Tensor) -> None:

@@ -36,8 +36,8 @@ from zorse_lightning.module.cut_analysis import CutAnalysis, probe_cut
 from zorse_lightning.module.first_block import first_block_view
 from zorse_lightning.module.materialize import InitialValues, Swap, place_on_device
 from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.gathering_rounds import EMPTY_ROUND
 from zorse_lightning.schedule.programs import build_schedule
-from zorse_lightning.engine.block_gathering import EMPTY_ROUND, padded_program
 from zorse_lightning.engine.sharding import placeholders, restrict_optimizer
 from zorse_lightning.engine.stage_state import ShardedStage
 from zorse_lightning.engine import tensor_parallel
@@ -346,10 +346,10 @@ class PipelineEngine:
         ran = 0
         for i, action in enumerate(program):
             j = action.microbatch
-            if j == EMPTY_ROUND:
+            to_post = post_batches(self.transport, to_post, ran, gradient_like)
+            if j == EMPTY_ROUND:  # after posting what this rank's actions made: a peer may wait for it
                 self._empty_round(action.kind)
                 continue
-            to_post = post_batches(self.transport, to_post, ran, gradient_like)
             if ran in reduce_at:
                 self.reduction.start_all()
             ran += 1
@@ -383,16 +383,11 @@ class PipelineEngine:
             dist.all_reduce(loss_sum, group=self.groups.call(None, "the step's loss"))
         return loss_sum
 
-    def _program(self, train: bool) -> list:
+    def _program(self, train: bool) -> tuple[Action, ...]:
         """This rank's actions; with weights gathered per microbatch, padded with empty rounds to the stage's
-        busiest rank (every rank makes the same gathers)."""
+        busiest rank (every rank makes the same gathers: ``PipelineSchedule.rounds``)."""
         schedule = self.schedule if train else self.forward_schedule
-        program = list(schedule.for_rank(self.groups.rank))
-        if self.sharded is None or self.sharded.gathering is None:
-            return program
-        stage = self.groups.stage
-        busiest = stage.ranks[max(range(len(stage.ranks)), key=lambda i: stage.microbatches_per_rank[i])]
-        return padded_program(program, schedule.for_rank(busiest))
+        return schedule.rounds[self.groups.rank]
 
     def _reduction_points(self, schedule, program: list) -> tuple[set[int], set[int]]:
         """Where this run's reduction over the stage's group starts: (indices of ``program`` before whose
@@ -428,6 +423,8 @@ class PipelineEngine:
         try:
             output = step_fn(micro, j)
         except StageOutput as end:
+            if self.sharded is not None and self.sharded.gathering is not None:
+                self.sharded.gathering.stage_ended(end.output)
             for message in sends:  # none on a TP rank whose index feeds no rank of the next stage's replica
                 self.transport.stage(message, end.output)
             return received, end.output

@@ -135,8 +135,8 @@ class OverlappedReduction:
     gradient has accumulated and start each bucket whose gradients are all final. Either way buckets start
     in bucket order only (every rank of the stage issues the same collectives in the same order, whatever
     order its hooks fire in). :meth:`finish` starts the buckets not started yet, waits for all of them,
-    then reduces the weights shared with other stages (one all-reduce per set of stages, in one order on
-    every rank). Without either, :meth:`finish` alone is the plain reduction after backward.
+    then reduces the weights shared with other stages (per set of stages, in one order on every rank: summed
+    inside the stage, exchanged once between the stages, broadcast back). Without either, :meth:`finish` alone is the plain reduction after backward.
     """
 
     def __init__(
@@ -220,11 +220,27 @@ class OverlappedReduction:
         self._in_flight = []
         for holders, params in self.shared:
             flat = _flat_gradients(params)
+            self._reduce_shared(holders, flat)
+            _unflatten_into_gradients(flat, params)
+
+    def _reduce_shared(self, holders: frozenset[int], flat: torch.Tensor) -> None:
+        """Sum ``flat`` (the gradients of weights ``holders`` share) over every rank holding them, in place:
+        into the representative over the rank's data-parallel group, between the representatives, back over
+        the group (:class:`~zorse_lightning.schedule.step_collectives.SharedReduction`: one copy crosses the
+        link between the stages)."""
+        shared = self.groups.shared_reduction(holders)
+        inside = self.groups.data_group if len(shared.data_ranks) > 1 else None
+        if inside is not None:
+            dist.reduce(flat, dst=shared.representative, group=self.groups.call(inside, "the shared weights' sum"))
+        if self.groups.rank == shared.representative:
             scale = self.groups.shared_scale(holders)
             if scale != 1.0:
                 flat.mul_(scale)
-            dist.all_reduce(flat, group=self.groups.call(self.groups.group_for_stages(holders), "the shared weights' reduction"))
-            _unflatten_into_gradients(flat, params)
+            if len(shared.exchange_ranks) > 1:
+                exchange = self.groups.shared_groups[holders]
+                dist.all_reduce(flat, group=self.groups.call(exchange, "the shared weights' exchange"))
+        if inside is not None:
+            dist.broadcast(flat, src=shared.representative, group=self.groups.call(inside, "the shared weights' broadcast"))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -12,13 +12,19 @@ in the collectives every rank makes over the whole world (the loss, the log
 replay, the global gradient norm, checkpoint agreement), so a stage's reductions
 never wait on a rank that holds none of its weights.
 
+A weight shared by stages (a tied embedding and head) is summed inside each
+stage's data-parallel group, then exchanged between one representative rank of
+each stage, then broadcast back (:class:`..schedule.step_collectives.SharedReduction`):
+the groups made for it hold the representatives only, so the link between the
+stages carries one copy, not a ring over all of their ranks.
+
 A stage with TP degree t > 1 has no stage-wide group: its ranks sum gradients
 with the replicas' ranks of their own TP index (which hold the same slices; over
-the whole stage a replicated weight would be summed t times), and a weight
-shared by stages (a tied embedding) likewise per TP index where the stages
-have one degree, else over all of their ranks, each part scaled by one over
-its rank's degree (:meth:`StageGroups.shared_scale`). TP groups are made
-last, in the stages' and replicas' order.
+the whole stage a replicated weight would be summed t times), and a shared
+weight's representatives likewise exchange per TP index where the stages have
+one degree, else every rank of the stages' first replicas does, each part
+scaled by one over its rank's degree (:meth:`StageGroups.shared_scale`). TP
+groups are made last, in the stages' and replicas' order.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 
 from zorse_lightning.engine.p2p_rules import LazyCommunicators
 from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.schedule.step_collectives import SharedReduction, exchange_ranks, shared_group_sets, shared_reductions
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -75,8 +82,9 @@ class StageGroups:
     """The ranks this rank sums its stage's gradients with and shards optimizer state over: all of its stage's,
     or under TP the replicas' ranks of its TP index (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
-    """Stages holding a shared weight -> their ranks' group (first+last for tied embeddings, all); under TP
-    their ranks of this rank's TP index."""
+    """Stages holding a shared weight (first+last for tied embeddings, all) -> the group of their
+    representatives that exchange its sum (:func:`..schedule.step_collectives.exchange_ranks`), for the sets
+    where this rank is a representative of its data-parallel group."""
     pipeline_group: dist.ProcessGroup | None = None
     """All ranks, for the point-to-point messages between stages alone (None without stages to pass
     between), as Megatron-LM keeps a pipeline group: under NCCL batched messages run on the group's own
@@ -130,30 +138,16 @@ class StageGroups:
         return self.stage.effective_shard_fractions()[self.tensor_index :: self.stage.tensor_parallel]
 
     def shared_scale(self, stages: frozenset[int]) -> float:
-        """What this rank's gradient of a weight ``stages`` share is scaled by before it is summed over their
-        group: 1, or where their TP degrees differ (the group is all of their ranks, and every rank of a TP group
-        holds the same gradient) one over this rank's degree, so that each replica counts once (exact where the
-        degree is a power of two, within a rounding otherwise)."""
+        """What this rank's sum (over its data-parallel group) of a weight ``stages`` share is scaled by before
+        the representatives exchange it: 1, or where their TP degrees differ (the exchange joins every rank of
+        their first replicas, and every rank of a TP group holds the same gradient) one over this rank's degree,
+        so that each replica counts once (exact where the degree is a power of two, within a rounding otherwise)."""
         degrees = {self.plan.stages[s].tensor_parallel for s in stages}
         return 1.0 if len(degrees) == 1 else 1.0 / self.stage.tensor_parallel
 
-    def group_for_stages(self, stages: frozenset[int]) -> dist.ProcessGroup:
-        """The group of all ranks of ``stages`` (which must include this rank's stage; under TP, those of
-        this rank's TP index)."""
-        if stages == frozenset({self.stage_index}):
-            return self.data_group
-        return self.shared_groups[stages]
-
-
-def shared_stage_sets(plan: Plan) -> tuple[frozenset[int], ...]:
-    """Sets of several groups of ranks that may hold one weight: first with last (tied embeddings), all."""
-    last = plan.num_groups - 1
-    sets = []
-    if last > 0:
-        sets.append(frozenset({0, last}))
-        if last > 1:
-            sets.append(frozenset(range(last + 1)))
-    return tuple(sets)
+    def shared_reduction(self, stages: frozenset[int]) -> SharedReduction:
+        """How this rank sums the gradient of a weight ``stages`` share (which must include its own)."""
+        return next(r for r in shared_reductions(self.plan, self.rank) if frozenset(r.groups) == stages)
 
 
 def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) -> StageGroups:
@@ -181,18 +175,14 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
         for stage in plan.rank_groups
     ]
     shared = {}
-    for stages in shared_stage_sets(plan):
+    for stages in shared_group_sets(plan):
         degrees = {plan.stages[s].tensor_parallel for s in stages}
-        if len(degrees) > 1:  # no TP index spans them all: every rank joins, its part scaled (shared_scale)
-            everyone = sorted(r for s in stages for r in plan.stages[s].ranks)
-            group = made(everyone)
-            shared[stages] = group if rank in everyone else None
-            continue
+        indices = range(degrees.pop() if len(degrees) == 1 else 1)  # degrees differ: one exchange, all TP indices
 
-        def ranks_of(i: int, stages=stages) -> list[int]:
-            return sorted(r for s in stages for r in plan.stages[s].data_ranks(i))
+        def ranks_of(i: int, stages=stages) -> tuple[int, ...]:
+            return exchange_ranks(plan, stages, i)
 
-        shared[stages] = mine([made(ranks_of(i)) for i in range(degrees.pop())], ranks_of)
+        shared[frozenset(stages)] = mine([made(ranks_of(i)) for i in indices], ranks_of)
     pipeline = made(range(plan.world_size)) if len(plan.stages) > 1 else None
     tensor_groups = {replica: made(replica) for stage in plan.rank_groups for replica in stage.replicas if len(replica) > 1}
     lazy = LazyCommunicators()

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from zorse_lightning.capabilities import (
-    GATHER_PER_MICROBATCH_MAX_STAGES,
     SUPPORTED_SCHEDULES,
     SUPPORTED_SHARDING,
     Schedule,
@@ -319,10 +318,11 @@ class Plan:
                 )
             if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
                 yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
-            if stage.gather_per_microbatch and len(self.stages) > GATHER_PER_MICROBATCH_MAX_STAGES:
+            if stage.gather_per_microbatch and self.interleave > 1:
                 yield (
-                    f"{where}: gather_per_microbatch runs only in plans of at most {GATHER_PER_MICROBATCH_MAX_STAGES} "
-                    f"stage(s), this one has {len(self.stages)}; gather once per step (gather_per_microbatch false)"
+                    f"{where}: gather_per_microbatch does not run in an interleaved plan (interleave={self.interleave}): "
+                    f"a group's rounds of gathers would follow the chunks of several stages; use interleave=1 or "
+                    f"gather once per step (gather_per_microbatch false)"
                 )
         if expected_start != self.num_layers:
             yield f"layers cover [0, {expected_start}) but the model has {self.num_layers}"

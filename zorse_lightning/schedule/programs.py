@@ -23,6 +23,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch, play_rendezvous, rank_batches
 from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.schedule.gathering_rounds import PADDINGS, gathering_programs
 from zorse_lightning.schedule.step_collectives import step_collectives
 
 
@@ -38,6 +39,9 @@ class PipelineSchedule:
     """``batches[rank]``: what the rank posts to its peers, in order (:mod:`.p2p_batches`)."""
     collectives: tuple[tuple[HostCollective, ...], ...] = ()
     """``collectives[rank]``: where the rank issues its collectives of the step (:mod:`.step_collectives`)."""
+    rounds: tuple[tuple[Action, ...], ...] = ()
+    """``rounds[rank]``: what the rank runs, its program with the empty rounds of a stage that gathers per
+    microbatch (:mod:`.gathering_rounds`); its program elsewhere."""
 
     def for_rank(self, rank: int) -> tuple[Action, ...]:
         return self.programs[rank]
@@ -363,9 +367,24 @@ def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
     rendezvous play)."""
     programs, grid = played_programs(plan, forward_only)
     batches = rank_batches(plan, programs, grid)
-    collectives = step_collectives(plan, programs, batches, forward_only)
-    play_rendezvous(plan, programs, batches, collectives)
-    return PipelineSchedule(plan.schedule, programs, grid, batches, collectives)
+    if not any(stage.gather_per_microbatch for stage in plan.stages):
+        collectives = step_collectives(plan, programs, batches, forward_only)
+        play_rendezvous(plan, programs, batches, collectives)
+        return PipelineSchedule(plan.schedule, programs, grid, batches, collectives, programs)
+    hangs = []
+    for padding in PADDINGS:  # the first whose rounds pass
+        rounds = gathering_programs(plan, programs, grid, padding)
+        collectives = step_collectives(plan, programs, batches, forward_only, rounds)
+        try:
+            play_rendezvous(plan, programs, batches, collectives)
+        except PlanningError as hang:
+            hangs.append(f"padded {padding.value}: {hang}")
+            continue
+        return PipelineSchedule(plan.schedule, programs, grid, batches, collectives, rounds)
+    raise PlanningError(
+        "no placement of the empty rounds of the stages gathering per microbatch keeps the schedule from hanging "
+        "(give their ranks more even shares, or gather once per step): " + " | ".join(hangs)
+    )
 
 
 def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:

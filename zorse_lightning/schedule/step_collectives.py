@@ -19,9 +19,12 @@ the upstream rank sends only after it has that gradient. So:
   replica then holds its host while a peer of the same group waits, through
   other groups, for this rank's later chunks (the play finds such plans), and
   the cost model does not count that overlap (:mod:`.cost.comm`);
+- a stage that gathers its weights per microbatch meets its peers in every
+  round (:mod:`.gathering_rounds`), before its reduction;
 - at the step's end, once its batches completed, every rank issues the same
   sequence: the loss over the world, the weights shared by several stages
-  (one group per set, in one order), the gradient norm over the world.
+  (one set after another, in one order: :func:`shared_reduction`), the gradient
+  norm over the world.
 
 The play treats every one of these calls as blocking its host until all members
 of the group have called it, the strictest reading; a program that passes it
@@ -33,35 +36,97 @@ Pure Python: no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from zorse_lightning.schedule.actions import Action
+from zorse_lightning.schedule.gathering_rounds import round_collectives
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch
 from zorse_lightning.schedule.plan import Plan
 
 
-def shared_rank_sets(plan: Plan) -> tuple[tuple[int, ...], ...]:
-    """The ranks of each set of groups that may hold one weight, in the order every rank reduces them: first
-    with last (a tied embedding), then all groups."""
+def shared_group_sets(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """The sets of several groups of ranks that may hold one weight, in the order every rank reduces them:
+    first with last (a tied embedding and head), then all groups."""
     last = plan.num_groups - 1
     sets = [(0, last)] if last > 0 else []
     if last > 1:
         sets.append(tuple(range(last + 1)))
-    return tuple(tuple(sorted(r for g in groups for r in plan.rank_groups[g].ranks)) for groups in sets)
+    return tuple(sets)
+
+
+@dataclass(frozen=True)
+class SharedReduction:
+    """How one rank sums the gradient of a weight that the groups ``groups`` share, so that the link between
+    the groups (between machines or datacenters, often the plan's slowest) carries one copy each way, not a
+    ring over every rank of them: summed into the representative of the rank's data-parallel group (its
+    first rank) over that group, exchanged between the groups' representatives, and broadcast back over the
+    group. Under tensor parallelism each TP index does so among its own ranks where the groups' degrees
+    agree; where they differ, the exchange joins every rank of the groups' first replicas, each part scaled
+    by one over its rank's degree (``engine.groups.StageGroups.shared_scale``)."""
+
+    groups: tuple[int, ...]
+    data_ranks: tuple[int, ...]
+    """The rank's data-parallel group (its stage's ranks of its TP index), whose first rank represents it."""
+    exchange_ranks: tuple[int, ...]
+    """The representatives that exchange the group's sum (this rank's among them only where it is one)."""
+
+    @property
+    def representative(self) -> int:
+        return self.data_ranks[0]
+
+    def collectives(self, rank: int) -> tuple[HostCollective, ...]:
+        """The rank's calls, in the engine's order: reduce over its group, exchange (a representative only),
+        broadcast over its group; a group of one rank skips its own two."""
+        inside = len(self.data_ranks) > 1
+        what = f"weights shared by groups {list(self.groups)}"
+        calls = [HostCollective(self.data_ranks, f"the sum of {what} into rank {self.representative}", at_end=True)] if inside else []
+        if rank == self.representative and len(self.exchange_ranks) > 1:
+            calls.append(HostCollective(self.exchange_ranks, f"the exchange of {what} between their groups", at_end=True))
+        if inside:
+            calls.append(HostCollective(self.data_ranks, f"the broadcast of {what} from rank {self.representative}", at_end=True))
+        return tuple(calls)
+
+
+def exchange_ranks(plan: Plan, groups: Sequence[int], tensor_index: int) -> tuple[int, ...]:
+    """The representatives of ``groups`` that TP index ``tensor_index`` exchanges a shared weight's sum with
+    (see :class:`SharedReduction`), ascending."""
+    stages = [plan.stages[g] for g in groups]
+    if len({s.tensor_parallel for s in stages}) > 1:
+        return tuple(sorted(r for s in stages for r in s.replicas[0]))
+    return tuple(sorted(s.data_ranks(tensor_index)[0] for s in stages))
+
+
+def shared_reductions(plan: Plan, rank: int) -> tuple[SharedReduction, ...]:
+    """The rank's :class:`SharedReduction` for each set of :func:`shared_group_sets` holding its group, in order
+    (none on an idle rank)."""
+    if rank in plan.idle_ranks:
+        return ()
+    group = plan.stage_of_rank(rank)
+    stage = plan.stages[group]
+    index = stage.tensor_index(rank)
+    return tuple(
+        SharedReduction(groups, stage.data_ranks(index), exchange_ranks(plan, groups, index))
+        for groups in shared_group_sets(plan) if group in groups
+    )
 
 
 def step_collectives(
-    plan: Plan, programs: Sequence[Sequence[Action]], batches: Sequence[Sequence[P2PBatch]], forward_only: bool = False
+    plan: Plan, programs: Sequence[Sequence[Action]], batches: Sequence[Sequence[P2PBatch]], forward_only: bool = False,
+    rounds: Sequence[Sequence[Action]] | None = None,
 ) -> tuple[tuple[HostCollective, ...], ...]:
-    """Every rank's collectives of one step, in the order it issues them (see the module's docstring)."""
+    """Every rank's collectives of one step, in the order it issues them (see the module's docstring); ``rounds``:
+    each rank's program with the empty rounds of a stage gathering per microbatch
+    (:func:`.gathering_rounds.gathering_programs`; None: ``programs``, where no stage gathers)."""
+    rounds = programs if rounds is None else rounds
     world = tuple(range(plan.world_size))
-    shared = shared_rank_sets(plan)
     every = []
     for rank, program in enumerate(programs):
-        mine = [] if forward_only else list(_reductions(plan, rank, program, batches[rank]))
+        mine = round_collectives(plan, rank, rounds[rank], batches[rank])
+        if not forward_only:
+            mine += _reductions(plan, rank, program, batches[rank])
         mine.append(HostCollective(world, "the step's loss over every rank", at_end=True))
         if not forward_only:
-            mine += [HostCollective(ranks, f"the reduction of weights shared by ranks {list(ranks)}", at_end=True)
-                     for ranks in shared if rank in ranks]
+            mine += [call for shared in shared_reductions(plan, rank) for call in shared.collectives(rank)]
             mine.append(HostCollective(world, "the gradient norm over every rank", at_end=True))
         every.append(tuple(mine))
     return tuple(every)
