@@ -8,7 +8,7 @@ the parameters it holds, the losses and the placement of weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -58,14 +58,16 @@ class Case:
     offload_stages: tuple[int, ...] = ()
     """Groups of ranks whose blocks keep their saved tensors in host memory (activation offload)."""
     model: Literal["gpt", "conv_channels_last"] = "gpt"
+    one_machine_per_group: bool = False
+    """Each group's ranks named as one machine of their own (else all on one): where a tied weight crosses."""
 
 
 CASES = [
     Case("two_stages_1f1b_accumulate", [((0, 1), (2, 2), (0, 2)), ((2, 3), (3, 1), (2, 4))], accumulate=2),
     # a replica that reduced inside its last backward would hold rank 0's gradient (issue 36; the rules mode's
     # lazy communicators make that a failure here)
-    Case("two_stages_replicated_3_1_then_1_3", [((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))], clip=0.05),
-    Case("one_then_three_5_2_1_clip", [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 4))], clip=0.05),
+    Case("two_stages_replicated_3_1_then_1_3", [((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))], clip=0.05, one_machine_per_group=True),
+    Case("one_then_three_5_2_1_clip", [((0,), (8,), (0, 1)), ((1, 2, 3), (5, 2, 1), (1, 4))], clip=0.05, one_machine_per_group=True),
     Case(
         "data_parallel_uneven_sharded",
         [((0, 1, 2, 3), (3, 1, 2, 2), (0, 4))],
@@ -81,6 +83,7 @@ CASES = [
         fractions={1: (0.7, 0.3)},
         recompute=True,
         reduce_in_backward=False,
+        one_machine_per_group=True,
     ),
     Case(
         "two_stages_optimizer_gradients_uneven",
@@ -293,6 +296,8 @@ def _run_case(rank: int, case: Case) -> dict:
         interleave=case.interleave,
         offload_stages=case.offload_stages,
     )
+    if case.one_machine_per_group:
+        plan = replace(plan, stages=tuple(replace(s, machines=(f"m{i % plan.num_groups}",) * len(s.ranks)) for i, s in enumerate(plan.stages)))
     batches = _batches(case, STEPS * case.accumulate, plan.global_batch_size)
     model = _model(case)
     if rank:  # differs on purpose: broadcast_module must fix it
@@ -456,16 +461,18 @@ def test_optimizer_state_is_sharded_unevenly(results):
     assert sum(states) == len(list(_model(next(c for c in CASES if c.name == "data_parallel_uneven_sharded")).parameters()))
 
 
-def test_a_tied_weight_crosses_between_stages_once_not_over_every_rank_of_both(results):
-    """The tied embedding and head (first and last stage) are summed inside each stage, then exchanged between
-    one representative rank per stage (each stage's first), whose group holds those two ranks only: the
-    exactness above holds with it (every case ties them), and no group of both stages' ranks is made."""
+def test_a_tied_weight_crosses_between_machines_once_not_over_every_rank_of_both_stages(results):
+    """The tied embedding and head (first and last stage) are summed on each machine, then exchanged between
+    one representative rank per machine (its first holder), whose group holds those ranks only: the exactness
+    above holds with it (every case ties them), and no group of both stages' ranks is made where they sit on
+    two machines (all on one, they are one machine's holders: summed and broadcast, nothing to exchange)."""
     expected = {
         "two_stages_replicated_3_1_then_1_3": [{"[0, 1]": [0, 2]}, {}, {"[0, 1]": [0, 2]}, {}],
         "one_then_three_5_2_1_clip": [{"[0, 1]": [0, 1]}, {"[0, 1]": [0, 1]}, {}, {}],
         "three_stages_gpipe_sharded_recompute": [
             {"[0, 2]": [0, 3], "[0, 1, 2]": [0, 1, 3]}, {"[0, 1, 2]": [0, 1, 3]}, {}, {"[0, 2]": [0, 3], "[0, 1, 2]": [0, 1, 3]},
         ],
+        "two_stages_1f1b_accumulate": [{}, {}, {}, {}],
     }
     for case, groups in expected.items():
         assert [r[case]["exchange_groups"] for r in results] == groups, case

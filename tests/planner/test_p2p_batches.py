@@ -4,6 +4,7 @@ the play checks, every plan the planner can emit passes, and the order the engin
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from testing.plans import hand_plan, in_backward_collectives, per_message_batches, random_layout
@@ -87,10 +88,11 @@ def test_a_reduction_started_inside_the_last_backward_hangs_a_replicated_stage_a
     last backward holds its host before posting the gradient upstream; its peer waits for an activation the
     upstream rank sends only after that gradient."""
     plan = hand_plan([((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))])
+    plan = replace(plan, stages=tuple(replace(s, machines=(f"m{i}",) * 2) for i, s in enumerate(plan.stages)))
     schedule = build_schedule(plan)  # plays the placed collectives
     assert [c.what for c in schedule.collectives[2]] == [
         "the gradient reduction of stages [1]", "the step's loss over every rank",
-        "the sum of weights shared by groups [0, 1] into rank 2", "the exchange of weights shared by groups [0, 1] between their groups",
+        "the sum of weights shared by groups [0, 1] into rank 2", "the exchange of weights shared by groups [0, 1] between machines",
         "the broadcast of weights shared by groups [0, 1] from rank 2", "the gradient norm over every rank",
     ]
     world = (0, 1, 2, 3)

@@ -136,7 +136,7 @@ class OverlappedReduction:
     in bucket order only (every rank of the stage issues the same collectives in the same order, whatever
     order its hooks fire in). :meth:`finish` starts the buckets not started yet, waits for all of them,
     then reduces the weights shared with other stages (per set of stages, in one order on every rank: summed
-    inside the stage, exchanged once between the stages, broadcast back). Without either, :meth:`finish` alone is the plain reduction after backward.
+    on each machine, exchanged once between machines, broadcast back). Without either, :meth:`finish` alone is the plain reduction after backward.
     """
 
     def __init__(
@@ -225,20 +225,19 @@ class OverlappedReduction:
 
     def _reduce_shared(self, holders: frozenset[int], flat: torch.Tensor) -> None:
         """Sum ``flat`` (the gradients of weights ``holders`` share) over every rank holding them, in place:
-        into the representative over the rank's data-parallel group, between the representatives, back over
-        the group (:class:`~zorse_lightning.schedule.step_collectives.SharedReduction`: one copy crosses the
-        link between the stages)."""
+        into the representative of the rank's machine, between the machines' representatives, back out on each
+        machine (:class:`~zorse_lightning.schedule.step_collectives.SharedReduction`: one copy crosses a link
+        between machines)."""
         shared = self.groups.shared_reduction(holders)
-        inside = self.groups.data_group if len(shared.data_ranks) > 1 else None
+        scale = self.groups.shared_scale(holders)
+        if scale != 1.0:
+            flat.mul_(scale)
+        inside = self.groups.machine_groups.get(holders)
         if inside is not None:
             dist.reduce(flat, dst=shared.representative, group=self.groups.call(inside, "the shared weights' sum"))
-        if self.groups.rank == shared.representative:
-            scale = self.groups.shared_scale(holders)
-            if scale != 1.0:
-                flat.mul_(scale)
-            if len(shared.exchange_ranks) > 1:
-                exchange = self.groups.shared_groups[holders]
-                dist.all_reduce(flat, group=self.groups.call(exchange, "the shared weights' exchange"))
+        exchange = self.groups.shared_groups.get(holders)
+        if exchange is not None:
+            dist.all_reduce(flat, group=self.groups.call(exchange, "the shared weights' exchange"))
         if inside is not None:
             dist.broadcast(flat, src=shared.representative, group=self.groups.call(inside, "the shared weights' broadcast"))
 

@@ -12,25 +12,24 @@ in the collectives every rank makes over the whole world (the loss, the log
 replay, the global gradient norm, checkpoint agreement), so a stage's reductions
 never wait on a rank that holds none of its weights.
 
-A weight shared by stages (a tied embedding and head) is summed inside each
-stage's data-parallel group, then exchanged between one representative rank of
-each stage, then broadcast back (:class:`..schedule.step_collectives.SharedReduction`):
-the groups made for it hold the representatives only, so the link between the
-stages carries one copy, not a ring over all of their ranks.
+A weight shared by stages (a tied embedding and head) is summed among its
+holders on each machine, then exchanged between one representative rank per
+machine, then broadcast back (:class:`..schedule.step_collectives.SharedReduction`):
+the exchange's group holds the representatives only, so a link between machines
+carries one copy, not a ring over all of the stages' ranks.
 
 A stage with TP degree t > 1 has no stage-wide group: its ranks sum gradients
 with the replicas' ranks of their own TP index (which hold the same slices; over
 the whole stage a replicated weight would be summed t times), and a shared
-weight's representatives likewise exchange per TP index where the stages have
-one degree, else every rank of the stages' first replicas does, each part
-scaled by one over its rank's degree (:meth:`StageGroups.shared_scale`). TP
+weight is summed likewise per TP index where the stages have one degree, else
+by all of their ranks, each part scaled first by one over its rank's degree (:meth:`StageGroups.shared_scale`). TP
 groups are made last, in the stages' and replicas' order.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -38,7 +37,9 @@ import torch.distributed as dist
 
 from zorse_lightning.engine.p2p_rules import LazyCommunicators
 from zorse_lightning.schedule.plan import Plan
-from zorse_lightning.schedule.step_collectives import SharedReduction, exchange_ranks, shared_group_sets, shared_reductions
+from zorse_lightning.schedule.step_collectives import (
+    SharedReduction, shared_group_sets, shared_holders_by_machine, shared_reductions, shared_tensor_indices,
+)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -82,9 +83,9 @@ class StageGroups:
     """The ranks this rank sums its stage's gradients with and shards optimizer state over: all of its stage's,
     or under TP the replicas' ranks of its TP index (None when idle)."""
     shared_groups: dict[frozenset[int], dist.ProcessGroup]
-    """Stages holding a shared weight (first+last for tied embeddings, all) -> the group of their
-    representatives that exchange its sum (:func:`..schedule.step_collectives.exchange_ranks`), for the sets
-    where this rank is a representative of its data-parallel group."""
+    """Stages holding a shared weight (first+last for tied embeddings, all) -> the group of the machines'
+    representatives that exchange its sum (:class:`..schedule.step_collectives.SharedReduction`), for the
+    sets where this rank is one."""
     pipeline_group: dist.ProcessGroup | None = None
     """All ranks, for the point-to-point messages between stages alone (None without stages to pass
     between), as Megatron-LM keeps a pipeline group: under NCCL batched messages run on the group's own
@@ -98,6 +99,9 @@ class StageGroups:
     """NCCL's lazy communicators kept on gloo in the rules mode (None: not modelled)."""
     tensor_group: dist.ProcessGroup | None = None
     """The ranks of this rank's TP group (None without tensor parallelism)."""
+    machine_groups: dict[frozenset[int], dist.ProcessGroup] = field(default_factory=dict)
+    """Stages holding a shared weight -> the group of its holders on this rank's machine (this rank's TP index),
+    which sum it into their representative and receive the sum back, for the sets where there are several."""
 
     def call(self, group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup | None:
         """``group``, for the collective ``what`` this rank is about to issue on it: in the rules mode, a group's
@@ -138,10 +142,10 @@ class StageGroups:
         return self.stage.effective_shard_fractions()[self.tensor_index :: self.stage.tensor_parallel]
 
     def shared_scale(self, stages: frozenset[int]) -> float:
-        """What this rank's sum (over its data-parallel group) of a weight ``stages`` share is scaled by before
-        the representatives exchange it: 1, or where their TP degrees differ (the exchange joins every rank of
-        their first replicas, and every rank of a TP group holds the same gradient) one over this rank's degree,
-        so that each replica counts once (exact where the degree is a power of two, within a rounding otherwise)."""
+        """What this rank's gradient of a weight ``stages`` share is scaled by before it is summed over their
+        ranks: 1, or where their TP degrees differ (all of their ranks sum it, and every rank of a TP group holds
+        the same gradient) one over this rank's degree, so that each replica counts once (exact where the degree
+        is a power of two, within a rounding otherwise)."""
         degrees = {self.plan.stages[s].tensor_parallel for s in stages}
         return 1.0 if len(degrees) == 1 else 1.0 / self.stage.tensor_parallel
 
@@ -174,15 +178,20 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
         mine([made(stage.data_ranks(i)) for i in range(stage.tensor_parallel)], stage.data_ranks)
         for stage in plan.rank_groups
     ]
-    shared = {}
+    shared, machine_groups = {}, {}
     for stages in shared_group_sets(plan):
-        degrees = {plan.stages[s].tensor_parallel for s in stages}
-        indices = range(degrees.pop() if len(degrees) == 1 else 1)  # degrees differ: one exchange, all TP indices
-
-        def ranks_of(i: int, stages=stages) -> tuple[int, ...]:
-            return exchange_ranks(plan, stages, i)
-
-        shared[frozenset(stages)] = mine([made(ranks_of(i)) for i in indices], ranks_of)
+        for i in shared_tensor_indices(plan, stages):
+            machines = shared_holders_by_machine(plan, stages, i)
+            for ranks in machines:
+                if len(ranks) > 1:
+                    group = made(ranks)
+                    if rank in ranks:
+                        machine_groups[frozenset(stages)] = group
+            representatives = tuple(m[0] for m in machines)
+            if len(representatives) > 1:
+                group = made(representatives)
+                if rank in representatives:
+                    shared[frozenset(stages)] = group
     pipeline = made(range(plan.world_size)) if len(plan.stages) > 1 else None
     tensor_groups = {replica: made(replica) for stage in plan.rank_groups for replica in stage.replicas if len(replica) > 1}
     lazy = LazyCommunicators()
@@ -192,5 +201,6 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta = DEFAULT_TIMEOUT) ->
     tensor_group = tensor_groups.get(plan.stages[stage_index].tensor_group(rank))
     shared = {stages: group for stages, group in shared.items() if group is not None}
     return StageGroups(
-        plan, rank, stage_index, data_groups[stage_index], shared, pipeline, tuple(in_order), lazy, tensor_group
+        plan, rank, stage_index, data_groups[stage_index], shared, pipeline, tuple(in_order), lazy, tensor_group,
+        machine_groups,
     )

@@ -56,44 +56,54 @@ def shared_group_sets(plan: Plan) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class SharedReduction:
-    """How one rank sums the gradient of a weight that the groups ``groups`` share, so that the link between
-    the groups (between machines or datacenters, often the plan's slowest) carries one copy each way, not a
-    ring over every rank of them: summed into the representative of the rank's data-parallel group (its
-    first rank) over that group, exchanged between the groups' representatives, and broadcast back over the
-    group. Under tensor parallelism each TP index does so among its own ranks where the groups' degrees
-    agree; where they differ, the exchange joins every rank of the groups' first replicas, each part scaled
-    by one over its rank's degree (``engine.groups.StageGroups.shared_scale``)."""
+    """How one rank sums the gradient of a weight that the groups ``groups`` share, so that a link between
+    machines (between datacenters, often the plan's slowest) carries one copy each way, not a ring over
+    every rank of them: summed into the representative of the rank's machine (its first rank there among
+    the holders) over the holders on that machine, exchanged between the machines' representatives, and
+    broadcast back on each machine. Under tensor parallelism each TP index does so among its own ranks where
+    the groups' degrees agree; where they differ, all of their ranks do, each part scaled first by one over
+    its rank's degree (``engine.groups.StageGroups.shared_scale``)."""
 
     groups: tuple[int, ...]
-    data_ranks: tuple[int, ...]
-    """The rank's data-parallel group (its stage's ranks of its TP index), whose first rank represents it."""
+    machine_ranks: tuple[int, ...]
+    """The holders on the rank's machine (its TP index's, ascending), whose first rank represents them."""
     exchange_ranks: tuple[int, ...]
-    """The representatives that exchange the group's sum (this rank's among them only where it is one)."""
+    """Every machine's representative (this rank among them only where it is one), ascending."""
 
     @property
     def representative(self) -> int:
-        return self.data_ranks[0]
+        return self.machine_ranks[0]
 
     def collectives(self, rank: int) -> tuple[HostCollective, ...]:
-        """The rank's calls, in the engine's order: reduce over its group, exchange (a representative only),
-        broadcast over its group; a group of one rank skips its own two."""
-        inside = len(self.data_ranks) > 1
+        """The rank's calls, in the engine's order: reduce on its machine, exchange (a representative only),
+        broadcast on its machine; a machine with one holder skips its own two."""
+        inside = len(self.machine_ranks) > 1
         what = f"weights shared by groups {list(self.groups)}"
-        calls = [HostCollective(self.data_ranks, f"the sum of {what} into rank {self.representative}", at_end=True)] if inside else []
+        calls = [HostCollective(self.machine_ranks, f"the sum of {what} into rank {self.representative}", at_end=True)] if inside else []
         if rank == self.representative and len(self.exchange_ranks) > 1:
-            calls.append(HostCollective(self.exchange_ranks, f"the exchange of {what} between their groups", at_end=True))
+            calls.append(HostCollective(self.exchange_ranks, f"the exchange of {what} between machines", at_end=True))
         if inside:
-            calls.append(HostCollective(self.data_ranks, f"the broadcast of {what} from rank {self.representative}", at_end=True))
+            calls.append(HostCollective(self.machine_ranks, f"the broadcast of {what} from rank {self.representative}", at_end=True))
         return tuple(calls)
 
 
-def exchange_ranks(plan: Plan, groups: Sequence[int], tensor_index: int) -> tuple[int, ...]:
-    """The representatives of ``groups`` that TP index ``tensor_index`` exchanges a shared weight's sum with
-    (see :class:`SharedReduction`), ascending."""
+def shared_holders_by_machine(plan: Plan, groups: Sequence[int], tensor_index: int) -> tuple[tuple[int, ...], ...]:
+    """The ranks of ``groups`` that sum a shared weight together with TP index ``tensor_index`` (all of their
+    ranks where their TP degrees differ), by machine: each machine's ascending, machines by their first."""
     stages = [plan.stages[g] for g in groups]
-    if len({s.tensor_parallel for s in stages}) > 1:
-        return tuple(sorted(r for s in stages for r in s.replicas[0]))
-    return tuple(sorted(s.data_ranks(tensor_index)[0] for s in stages))
+    alike = len({s.tensor_parallel for s in stages}) == 1
+    by_machine: dict[str, list[int]] = {}
+    for stage in stages:
+        for rank, machine in zip(stage.ranks, stage.machines):
+            if not alike or stage.tensor_index(rank) == tensor_index:
+                by_machine.setdefault(machine, []).append(rank)
+    return tuple(sorted(tuple(sorted(ranks)) for ranks in by_machine.values()))
+
+
+def shared_tensor_indices(plan: Plan, groups: Sequence[int]) -> range:
+    """The TP indices that sum a weight ``groups`` share apart (one, 0, where their degrees differ)."""
+    degrees = {plan.stages[g].tensor_parallel for g in groups}
+    return range(degrees.pop() if len(degrees) == 1 else 1)
 
 
 def shared_reductions(plan: Plan, rank: int) -> tuple[SharedReduction, ...]:
@@ -102,12 +112,14 @@ def shared_reductions(plan: Plan, rank: int) -> tuple[SharedReduction, ...]:
     if rank in plan.idle_ranks:
         return ()
     group = plan.stage_of_rank(rank)
-    stage = plan.stages[group]
-    index = stage.tensor_index(rank)
-    return tuple(
-        SharedReduction(groups, stage.data_ranks(index), exchange_ranks(plan, groups, index))
-        for groups in shared_group_sets(plan) if group in groups
-    )
+    found = []
+    for groups in shared_group_sets(plan):
+        if group in groups:
+            index = plan.stages[group].tensor_index(rank) if len(shared_tensor_indices(plan, groups)) > 1 else 0
+            machines = shared_holders_by_machine(plan, groups, index)
+            mine = next(m for m in machines if rank in m)
+            found.append(SharedReduction(groups, mine, tuple(m[0] for m in machines)))
+    return tuple(found)
 
 
 def step_collectives(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from zorse_lightning.capabilities import Sharding
 from zorse_lightning.planner.cost.boundaries import BoundaryCost, boundary_cost
 from zorse_lightning.planner.cost.chain import pipeline_elements
 from zorse_lightning.planner.cost.comm import gather_round_ms, stage_sync_ms
@@ -114,14 +113,15 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) ->
         times = tuple(by_type[t] for t in stage.gpu_types)
     totals = [t.total_ms for t in times]
     counts = list(stage.microbatches_per_rank)
-    if stage.gather_per_microbatch:
-        busy_ms = lockstep_busy_ms(totals, counts) + max(counts) * gather_round_ms_of(ctx, plan, index)
+    gathers_ms = gather_round_ms_of(ctx, plan, index) if stage.gather_per_microbatch else 0.0
+    if stage.gather_per_microbatch:  # in any stage of any plan: a microbatch's round also delays its way through
+        busy_ms = lockstep_busy_ms(totals, counts) + max(counts) * gathers_ms
     else:
         busy_ms = stage_busy_ms(totals, counts)
     return StageCost(
         times=times,
         busy_ms=busy_ms,
-        latency_ms=stage_latency_ms(totals, counts),
+        latency_ms=stage_latency_ms(totals, counts) + gathers_ms,
         sync_ms=stage_own_sync_ms(ctx, plan, index),
         memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()) if memory else (),
         update_ms=stage_update_ms(ctx, plan, index),
@@ -342,18 +342,33 @@ def with_stage_costs(cost: PlanCost, stages: tuple[StageCost, ...]) -> PlanCost:
 
 
 def tied_sync_ms(ctx: CostContext, first_ranks: tuple[int, ...], last_ranks: tuple[int, ...]) -> float:
-    """All-reduce of a tied embedding/head weight's gradient between the first and the last stage.
-
-    The engine sums that gradient over the ranks of both stages every step,
-    after each stage's own synchronisation and not overlapped with it, over
-    whatever link joins them (often the slowest: the pipeline's two ends). The
-    shared weight is the head's (a tied head holds nothing else).
+    """The tied embedding/head weight's gradient summed between the first and the last stage, as the engine
+    sums it (``schedule.step_collectives.SharedReduction``): reduced into one representative per machine over
+    the holders there, all-reduced between the representatives (one copy each way over a link between
+    machines, often the plan's slowest: the pipeline's two ends), broadcast back on each machine, every
+    machine's at once. After each stage's own synchronisation and not overlapped with it. The shared weight
+    is the head's (a tied head holds nothing else).
     """
     if not ctx.profile.tied_embedding_head:
         return 0.0
     gradient_bytes = ctx.profile.head.parameters * profile_state_bytes(ctx.profile).gradients
-    ranks = tuple(sorted(set(first_ranks) | set(last_ranks)))
-    return stage_sync_ms(ctx.links, ranks, gradient_bytes, gradient_bytes, Sharding.NONE)
+    return shared_reduction_ms(ctx, (*first_ranks, *last_ranks), gradient_bytes)
+
+
+def shared_reduction_ms(ctx: CostContext, holders: tuple[int, ...], gradient_bytes: float) -> float:
+    """A weight's gradient of ``gradient_bytes`` that ``holders`` share, summed over all of them: into each
+    machine's first holder, between those, back out (see :func:`tied_sync_ms`)."""
+    by_machine: dict[str, list[int]] = {}
+    for rank in sorted(set(holders)):
+        by_machine.setdefault(ctx.inventory.gpus[rank].machine, []).append(rank)
+    inside = outside = 0.0
+    for ranks in by_machine.values():
+        order = tuple(ranks)
+        shares = (1.0,) + (0.0,) * (len(order) - 1)
+        inside = max(inside, ctx.links.to_owners_ms(order, gradient_bytes, shares))
+        outside = max(outside, ctx.links.from_owners_ms(order, gradient_bytes, shares))
+    representatives = tuple(sorted(ranks[0] for ranks in by_machine.values()))
+    return inside + ctx.links.all_reduce_ms(representatives, gradient_bytes) + outside
 
 
 def memory_overruns(ctx: CostContext, plan: Plan, cost: PlanCost) -> list[tuple[int, int, float]]:
