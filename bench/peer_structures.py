@@ -32,7 +32,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, PlannerOptions, make_plan
-from zorse_lightning.planner.heuristic import speed_by_type
+from zorse_lightning.planner.search.heuristic import speed_by_type
 from zorse_lightning.profiling import MixedProfileSourcesWarning, reference_profile
 
 CLUSTERS = ("four16", "a100x4_v100x4", "a10g_l4_t4", "lab4_l4_a6000_p40", "dc2_a100x8_v100x8", "mix32_4types")

@@ -63,9 +63,10 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import PlannerOptions, all_baselines, make_plan
-from zorse_lightning.planner.choice import IDLE_MARGIN
+from zorse_lightning.planner.search.choice import IDLE_MARGIN
 from zorse_lightning.planner.cost.update import optimizer_step_ms
-from zorse_lightning.planner.search import EVEN_SPLIT, ProgramLog, ProgramRun
+from zorse_lightning.planner.search import ProgramLog, ProgramRun
+from zorse_lightning.planner.search.fit import EVEN_SPLIT
 from zorse_lightning.profiling import (
     MixedProfileSourcesWarning,
     ModelProfile,
@@ -144,7 +145,7 @@ class Case:
     @property
     def worse_than_a_baseline(self) -> bool:
         """Slower than a baseline; a baseline that leaves GPUs idle must be faster by the planner's margin
-        (:data:`~zorse_lightning.planner.choice.IDLE_MARGIN`) than a plan using every GPU."""
+        (:data:`~zorse_lightning.planner.search.choice.IDLE_MARGIN`) than a plan using every GPU."""
         if self.plan_ms is None:
             return False
         for name, ms in self.baselines_ms.items():

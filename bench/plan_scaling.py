@@ -18,7 +18,7 @@ time spent planning, the integer programs' solver processes included (``cpu s``:
 the wall time on a quiet machine; the 2-core machines are shared). The last line printed is one JSON object:
 ``{"gpus": [...], "seconds": [...], "cpu_seconds": [...]}``. Goals (issue 3): at most
 2 s at 32 GPUs and 60 s at 1024 GPUs, on a 2-core machine. The solver column says how
-many of the plans the search priced were simulated (:mod:`zorse_lightning.planner.choice`).
+many of the plans the search priced were simulated (:mod:`zorse_lightning.planner.search.choice`).
 """
 
 from __future__ import annotations

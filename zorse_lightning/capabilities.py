@@ -52,9 +52,6 @@ the stage makes the same gathers in the same order, in rounds (:mod:`zorse_light
 inside a pipeline a round also waits on other stages, and whether rounds and messages can wait on each
 other in a cycle is the rendezvous play's to decide for each plan (``schedule.programs.build_schedule``
 refuses one that would hang)."""
-GATHER_PER_MICROBATCH_MAX_STAGES = 1 << 16
-"""No bound any more (:data:`SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES`): kept only for the search's
-one-stage pass (``planner/search.py``), which reads it until the search's rewrite (issue 37) drops it."""
 SUPPORTS_RECOMPUTATION = True
 SUPPORTS_INTERLEAVING = True
 """Plans may give each group of ranks several non-adjacent layer chunks (``Plan.interleave``): the

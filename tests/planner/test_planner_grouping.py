@@ -9,7 +9,7 @@ import pytest
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.cost.comm import LINK_EFFICIENCY, LinkTable
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.grouping import (
+from zorse_lightning.planner.search.layouts import (
     candidate_layouts,
     fastest_type_subsets,
     partitions,
@@ -19,7 +19,7 @@ from zorse_lightning.planner.grouping import (
 )
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.compute import per_sample_layer_ms
-from zorse_lightning.planner.heuristic import speed_by_type
+from zorse_lightning.planner.search.heuristic import speed_by_type
 from zorse_lightning.profiling.profile import BlockTimes, DeviceTimes, ProfileSource, TimeCurve
 
 from test_planner_fixtures import big_cluster, profile_for, real_gpu_profile

@@ -1,4 +1,4 @@
-"""Leaving GPUs idle must win by a margin (planner.choice), and the plan's note says by how much."""
+"""Leaving GPUs idle must win by a margin (planner.search.choice), and the plan's note says by how much."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from zorse_lightning.planner import PlannerOptions, make_plan
-from zorse_lightning.planner.choice import IDLE_MARGIN, Choice
+from zorse_lightning.planner.search.choice import IDLE_MARGIN, Choice
 from zorse_lightning.schedule.plan import Prediction
 from testing.plans import hand_plan
 
@@ -27,8 +27,8 @@ def test_an_idle_plan_within_the_margin_loses_to_one_using_every_gpu():
     assert choice.chosen.idle_ranks == ()
     assert choice.idle_note(lambda rank: "t4") is None
     # an all-GPU candidate matters up to the margin past the idle plan; an idle one must beat the margin
-    assert choice.threshold_ms(uses_every_gpu=True) == pytest.approx(100.0)
-    assert choice.threshold_ms(uses_every_gpu=False) == pytest.approx(100.0 * (1 - IDLE_MARGIN))
+    assert choice.threshold_ms() == pytest.approx(100.0)
+    assert choice.threshold_ms(1 - IDLE_MARGIN) == pytest.approx(100.0 * (1 - IDLE_MARGIN))
 
 
 def test_an_idle_plan_past_the_margin_wins_and_says_by_how_much():
@@ -38,7 +38,7 @@ def test_an_idle_plan_past_the_margin_wins_and_says_by_how_much():
     assert choice.chosen.idle_ranks == (2, 3)
     note = choice.idle_note(lambda rank: "t4")
     assert "ranks [2, 3] (t4) stay idle" in note and "10.0% faster" in note and "90.0 against 100.0 ms" in note
-    assert choice.threshold_ms(uses_every_gpu=True) == pytest.approx(90.0 / (1 - IDLE_MARGIN))
+    assert choice.threshold_ms() == pytest.approx(90.0 / (1 - IDLE_MARGIN))
 
 
 def test_the_search_notes_why_gpus_stay_idle():

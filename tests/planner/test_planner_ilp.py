@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from zorse_lightning.planner import ilp
-from zorse_lightning.planner.ilp import AssignmentProblem, GroupCosts, StageCosts, solve_assignment
+from zorse_lightning.planner.search import ilp
+from zorse_lightning.planner.search.ilp import AssignmentProblem, GroupCosts, StageCosts, solve_assignment
 
 
 def _compositions(total: int, parts: int):

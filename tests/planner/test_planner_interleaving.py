@@ -20,7 +20,6 @@ from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, Plan, PlannerOptions, StagePlan, make_plan, plan_cost, simulate
 from zorse_lightning.planner.cost.evaluate import memory_overruns, prediction
-from zorse_lightning.planner.interleave_choice import interleaved_if_faster
 from zorse_lightning.planner.cost.simulate import EventKind
 from zorse_lightning.planner.interleaving import interleave
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve
@@ -144,24 +143,30 @@ def test_simulated_events_name_their_chunk() -> None:
 # -- the degree the planner chooses -------------------------------------------------------------
 
 
+def _pinned(inventory: ClusterInventory, profile: ModelProfile, plain: Plan, **options) -> Plan:
+    """The search's plan with ``plain``'s groups, layers and microbatch size pinned: only its degree is chosen."""
+    pins = PlannerOptions(
+        stage_layout=[s.ranks for s in plain.stages], layer_counts=[s.num_layers for s in plain.stages],
+        microbatch_size=plain.microbatch_size, **options,
+    )
+    return make_plan(inventory, profile, plain.global_batch_size, pins)
+
+
 def test_chosen_where_fill_and_drain_dominate(interleaving_offered: None) -> None:
     """Four equal groups, 8 microbatches: the fill and drain are 3/11 of the plain pipeline."""
-    ctx = CostContext.build(_inventory(4), _profile(16))
-    plain = _plain(4, 4, 8)
-    plain = replace(plain, predicted=prediction(ctx, plain, plan_cost(ctx, plain)))
-    chosen, note = interleaved_if_faster(ctx, plain, 4)
-    assert chosen.interleave == 4  # (8 + 3/4) t against (8 + 3) t: 20 % faster
-    assert chosen.predicted.iteration_ms == pytest.approx(plan_cost(ctx, chosen).iteration_ms)
-    assert chosen.predicted.iteration_ms < plain.predicted.iteration_ms * 0.85
-    assert note.startswith("interleaved x4") and "simulated, 20.4% faster" in note and "closed form's gain: 20.5%" in note
+    plan = _pinned(_inventory(4), _profile(16), _plain(4, 4, 8))
+    plain = _pinned(_inventory(4), _profile(16), _plain(4, 4, 8), max_interleave=1)
+    assert plan.interleave == 4  # (8 + 3/4) t against (8 + 3) t: 20 % faster
+    assert plan.predicted.iteration_ms < plain.predicted.iteration_ms * 0.85
+    note = next(n for n in plan.notes if "interleaved" in n)
+    assert note.startswith("interleaved x4") and "simulated, 20.4% faster" in note
 
 
 def test_refused_where_a_slow_link_carries_v_times_the_transfers(interleaving_offered: None) -> None:
     """40 MB activations over 10 Gb/s: each transfer takes longer than a chunk's compute."""
-    ctx = CostContext.build(_inventory(4, between_gbps=10.0), _profile(16, output_bytes=40_000_000))
-    plain = _plain(4, 4, 8)
-    kept, note = interleaved_if_faster(ctx, plain, 4)
-    assert kept is plain
+    plan = _pinned(_inventory(4, between_gbps=10.0), _profile(16, output_bytes=40_000_000), _plain(4, 4, 8))
+    assert plan.interleave == 1
+    note = next(n for n in plan.notes if "interleaved" in n)
     assert note.startswith("not interleaved (each must beat")
     assert "x2 " in note and "its activations cross every chunk boundary" in note
 
@@ -181,21 +186,22 @@ def test_refused_where_the_activations_in_flight_do_not_fit(interleaving_offered
     reserve_gib = 40 - (peak(plain) + least_interleaved) / 2 / 2**30
     ctx = CostContext.build(_inventory(4), profile, memory_reserve_gib=reserve_gib)
     assert not memory_overruns(ctx, plain, plan_cost(ctx, plain))
-    kept, note = interleaved_if_faster(ctx, plain, 4, allow_offload=False)
-    assert kept is plain
+    kept = _pinned(_inventory(4), profile, plain, memory_reserve_gib=reserve_gib, allow_offload=False)
+    assert kept.interleave == 1
+    note = next(n for n in kept.notes if "interleaved" in n)
     assert "x4 does not fit (rank 0 of group 0" in note and "more activations in flight" in note
-    offloaded, note = interleaved_if_faster(ctx, plain, 4)  # its copies hide under the compute: it fits so
-    assert offloaded.interleave > 1 and "offloading activations on groups [0]" in note
+    offloaded = _pinned(_inventory(4), profile, plain, memory_reserve_gib=reserve_gib)  # its copies hide under the compute
+    assert offloaded.interleave > 1 and any("offloading activations on groups [0]" in n for n in offloaded.notes)
     assert [s.offload_activations for s in offloaded.rank_groups] == [True, False, False, False]
     assert not memory_overruns(ctx, offloaded, plan_cost(ctx, offloaded))
 
 
 def test_not_offered_unless_the_engine_runs_it_or_the_option_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    ctx = CostContext.build(_inventory(4), _profile(16))
     monkeypatch.setattr(capabilities, "SUPPORTS_INTERLEAVING", False)
-    assert interleaved_if_faster(ctx, _plain(4, 4, 8), 4) == (_plain(4, 4, 8), None)
+    assert _pinned(_inventory(4), _profile(16), _plain(4, 4, 8)).interleave == 1
     monkeypatch.setattr(capabilities, "SUPPORTS_INTERLEAVING", True)
-    assert interleaved_if_faster(ctx, _plain(4, 4, 8), 1) == (_plain(4, 4, 8), None)
+    plan = _pinned(_inventory(4), _profile(16), _plain(4, 4, 8), max_interleave=1)
+    assert plan.interleave == 1 and not any("interleaved" in n for n in plan.notes)
 
 
 def test_make_plan_interleaves_its_best_plan(interleaving_offered: None) -> None:

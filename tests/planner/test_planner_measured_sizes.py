@@ -61,9 +61,9 @@ def test_one_rank_without_a_pipeline_takes_the_whole_local_batch_in_one_microbat
 
 
 def test_a_plan_too_big_to_simulate_in_planning_time_keeps_the_closed_form_and_says_so(monkeypatch):
-    from zorse_lightning.planner import choice
+    from zorse_lightning.planner.search import loop
 
-    monkeypatch.setattr(choice, "MOST_SIMULATED_WORK", 1)
+    monkeypatch.setattr(loop, "WORK_PER_GPU", 0)
     inventory = load_cluster("a100x4_v100x4")
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=512)
     plan = make_plan(inventory, profile, 64, PlannerOptions(solver_time_limit_s=2))

@@ -17,10 +17,10 @@ import pytest
 from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import CostContext, PlannerOptions, all_baselines, make_plan
-from zorse_lightning.planner import choice as choice_module
-from zorse_lightning.planner.choice import IDLE_MARGIN, INTERLEAVE_MARGIN, Choice, work_of
-from zorse_lightning.planner.cost.evaluate import plan_cost
-from zorse_lightning.planner.interleave_choice import _thick_enough
+from zorse_lightning.planner.search.choice import IDLE_MARGIN, INTERLEAVE_MARGIN, Choice, work_of
+from zorse_lightning.planner.search import loop
+from zorse_lightning.planner.search.fit import interleaved_draft
+from zorse_lightning.planner.search.space import Search
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.profiling import reference_profile
@@ -62,32 +62,29 @@ def test_where_the_closed_form_and_the_simulation_disagree_the_search_follows_th
     choice.offer(_closed_form_only(across))
     choice.offer(_closed_form_only(replace(plan, notes=())))
     assert choice.chosen.stages == across.stages  # by the closed form
-    choice.finalists()
+    choice.settle()  # simulates the plan it holds until the one it holds is simulated
     assert choice.chosen.stages == plan.stages and choice.chosen.predicted.closed_form_ms is not None
 
 
 def test_the_search_simulates_within_its_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planning time (issue 30, 512 GPUs): beyond SEARCH_WORK in all, the plans held keep their closed form
-    while the search ranks; the plan returned is simulated all the same."""
+    """Planning time (issue 30, 512 GPUs): beyond the one budget of work, the plans held keep their closed
+    form, the plan returned too, and its note says so."""
     inventory, profile, plan = _dc2()
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.GLOO)
     across = make_plan(inventory, profile, BATCH, PlannerOptions(p2p_rules="gloo", stage_layout=FOUR_A100S, microbatch_size=8, max_interleave=1))
     plans = [_closed_form_only(across), _closed_form_only(replace(plan, notes=()))]
     # room for one simulation: the closed form's favourite is simulated, the plan it then holds is not
-    monkeypatch.setattr(choice_module, "SEARCH_WORK", work_of(across))
-    choice = Choice(ctx)
+    choice = Choice(ctx, budget=work_of(across))
     for held in plans:
         choice.offer(held)
     choice.settle()
     assert choice.simulated == 1 and choice.simulated_work == work_of(across)
     assert choice.chosen.stages == plan.stages and choice.chosen.predicted.closed_form_ms is None
-    # no room at all: nothing is simulated while the search ranks, and the plan it returns is still
-    # predicted by the simulation, its note saying so
-    monkeypatch.setattr(choice_module, "SEARCH_WORK", 0)
-    monkeypatch.setattr(choice_module, "FINALIST_WORK", 0)
+    # no room at all: nothing is simulated, and the plan's note says it is predicted by the closed form
+    monkeypatch.setattr(loop, "WORK_PER_GPU", 0)
     planned = make_plan(inventory, profile, BATCH, GLOO)
-    assert planned.predicted.closed_form_ms is not None
-    assert any(" 0 of " in note and "plans the search priced were simulated" in note for note in planned.notes)
+    assert planned.predicted.closed_form_ms is None
+    assert any(note.startswith("predicted by the cost model's closed form") and " 0 of " in note for note in planned.notes)
 
 
 def test_a_baseline_that_beat_the_plan_is_now_the_plan_or_beaten() -> None:
@@ -122,7 +119,7 @@ def test_whole_machines_of_one_type_as_stages_sharded_interleaved() -> None:
     sharded, interleaved. It gains 0.9 % at microbatch 4 in the simulation, which the 2 % margin asked
     of the closed form as well used to refuse; at microbatch 8, slower plain (more fill and drain), it
     gains 6 % at x2, and the finalists interleaved are now those that could gain most
-    (:func:`.interleave_choice.best_case_ms`), so the search takes it: within 1 % of the best order of
+    (a split is queued by the best its interleavings could do), so the search takes it: within 1 % of the best order of
     the four machines pinned (found by pinning all 24 at microbatches 4 and 8)."""
     inventory = four_machines_four_types()
     profile = reference_profile("llama_3b", [t.name for t in inventory.gpu_types], 512, "float16")
@@ -137,7 +134,7 @@ def test_whole_machines_of_one_type_as_stages_sharded_interleaved() -> None:
     assert pinned.interleave == 2
     assert plan.predicted.iteration_ms <= pinned.predicted.iteration_ms * 1.01
     plain = make_plan(inventory, profile, 32 * inventory.world_size, PlannerOptions(p2p_rules="gloo", max_interleave=1))
-    assert plain.microbatch_size == 4  # plain, microbatch 4 is best: the finalist interleaved is not the fastest plain
+    assert plain.interleave == 1 and plain.predicted.iteration_ms > plan.predicted.iteration_ms
     assert plan.predicted.iteration_ms < plain.predicted.iteration_ms * (1 - INTERLEAVE_MARGIN)
 
 
@@ -149,9 +146,9 @@ def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pyt
     layout = tuple(tuple(range(4 * m, 4 * m + 4)) for m in range(4))
     pins = PlannerOptions(p2p_rules="gloo", stage_layout=layout, layer_counts=(13, 8, 4, 1), microbatch_size=4, max_interleave=1)
     plain = make_plan(inventory, profile, 32 * inventory.world_size, pins)
-    base = plan_cost(CostContext.build(inventory, profile, p2p_rules=P2PRules.GLOO), plain, memory=False)
-    thick = _thick_enough(plain, 3, base)
-    assert [s.num_layers for s in thick.stages] == [12, 7, 4, 3]
+    search = Search.build(inventory, profile, 32 * inventory.world_size, pins, lambda _: None)
+    thick = interleaved_draft(search, plain, 3)
+    assert [sum(thick.stages[s].num_layers for s in thick.stages_of_group(g)) for g in range(4)] == [12, 7, 4, 3]
     assert degrees(plain, 4) == [1, 2, 3, 4]
 
 
@@ -168,7 +165,7 @@ def test_llama_7b_on_four_machines_finds_the_peers_order_and_moves_layers_to_fit
     assert [inventory.gpus[g.ranks[0]].gpu_type.name for g in groups] == ["a6000", "a10g", "a100x40", "v100x16"]
     assert [sum(s.num_layers for s in plan.stages if s.ranks == g.ranks) for g in groups] == [8, 4, 14, 6]
     assert plan.interleave == 2 and plan.microbatch_size == 4
-    assert any("layers re-split to [8, 4, 14, 6]" in note for note in plan.notes)
+    assert any(note.startswith("interleaved x2") and "(layers [8, 4, 14, 6])" in note for note in plan.notes)
     layout = tuple(g.ranks for g in groups)
     pinned = make_plan(inventory, profile, 32 * inventory.world_size, PlannerOptions(
         p2p_rules="gloo",         stage_layout=layout, layer_counts=(8, 4, 14, 6), microbatch_size=4, max_interleave=2,
@@ -199,8 +196,8 @@ def test_every_order_of_the_chosen_groups_is_tried_where_no_rule_gives_the_best(
     :func:`.grouping.stage_orders`; the search tries all 24 orders and ends within 1 % of the best plan of
     the 24 orders pinned at microbatches 4 and 8 (V100, A10G, A6000, A100 at 8, interleaved x3)."""
     from zorse_lightning.planner.cost.context import CostContext
-    from zorse_lightning.planner.grouping import stage_orders
-    from zorse_lightning.planner.heuristic import speed_by_type
+    from zorse_lightning.planner.search.layouts import stage_orders
+    from zorse_lightning.planner.search.heuristic import speed_by_type
 
     inventory = four_machines_four_types()
     profile = reference_profile("llama_tiny", [t.name for t in inventory.gpu_types], 512, "float16")

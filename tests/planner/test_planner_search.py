@@ -218,7 +218,7 @@ def test_a_1024_gpu_cluster_plans() -> None:
     assert plan.predicted.iteration_ms == pytest.approx(simulate(ctx, plan).makespan_ms)
     assert plan.predicted.closed_form_ms == pytest.approx(cost.iteration_ms)
     assert not memory_overruns(ctx, plan, cost)
-    assert sum(len(s.ranks) for s in plan.stages) + len(plan.idle_ranks) == 1024
+    assert sum(len(g.ranks) for g in plan.rank_groups) + len(plan.idle_ranks) == 1024
 
 
 def test_sharding_when_state_does_not_fit_unsharded_with_shares_by_free_memory() -> None:

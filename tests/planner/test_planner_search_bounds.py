@@ -11,15 +11,14 @@ import pytest
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.grouping import stage_orders
-from zorse_lightning.planner.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
+from zorse_lightning.planner.search.layouts import stage_orders
+from zorse_lightning.planner.search.heuristic import balanced_layer_counts, balanced_plan, proportional_plan, speed_by_type
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.cost.comm import transfer_ms
-from zorse_lightning.planner.problem import WindowCosts, block_extras, receive_wait_ms
-from zorse_lightning.planner.bound import lower_bound_ms
-from zorse_lightning.planner.choice import Choice
-from zorse_lightning.planner.first_split import heuristic_plan
-from zorse_lightning.planner.search import _layouts
+from zorse_lightning.planner.search.problem import WindowCosts, block_extras, receive_wait_ms
+from zorse_lightning.planner.search.bound import lower_bound_ms
+from zorse_lightning.planner.search.fit import heuristic_split
+from zorse_lightning.planner.search.space import Search
 
 from test_planner_fixtures import synthetic_profile
 
@@ -99,18 +98,18 @@ def test_balanced_split_moves_layers_off_the_stage_with_the_head() -> None:
 def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
     inventory = load_cluster(name)
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=1024)
-    ctx = CostContext.build(inventory, profile)
-    options = PlannerOptions(allow_idle_ranks=True)
-    windows, speeds = WindowCosts(ctx), speed_by_type(ctx)
+    search = _search(inventory, profile, 32)
     checked = 0
-    for layout in _layouts(ctx, options):
+    for layout in search.layouts:
         for m in (1, 4):
-            offloaded = Choice(None)  # the split offloading where it is over memory, where offered
-            plan = heuristic_plan(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, options, offloaded)
-            for priced_plan in [p for p in (plan,) if p is not None] + offloaded.pool:
-                assert lower_bound_ms(ctx, layout, m, 32) <= priced_plan.predicted.iteration_ms * (1 + 1e-12)
+            for priced_plan in heuristic_split(search, layout, m):  # offloading where over memory, where offered
+                assert lower_bound_ms(search.ctx, layout, m, 32) <= priced_plan.predicted.iteration_ms * (1 + 1e-12)
                 checked += 1
     assert checked > 10
+
+
+def _search(inventory, profile, global_batch_size: int, **options) -> Search:
+    return Search.build(inventory, profile, global_batch_size, PlannerOptions(allow_idle_ranks=True, **options), lambda _: None)
 
 
 def test_an_order_puts_the_fastest_group_last_where_the_head_is() -> None:
@@ -131,15 +130,15 @@ def test_lower_bound_never_exceeds_any_layer_split(m: int) -> None:
     as GPUs in a stage or fewer (16 samples): the bound of the fill and drain and of a stage's busiest
     GPU holds for each split, not only for the heuristic's."""
     from zorse_lightning.planner.cost.evaluate import plan_cost
-    from zorse_lightning.planner.heuristic import _split_plan, microbatch_split
-    from zorse_lightning.planner.problem import SEARCH_SHARDING
+    from zorse_lightning.planner.search.heuristic import _split_plan, microbatch_split
+    from zorse_lightning.planner.search.problem import SEARCH_SHARDING
 
     inventory = load_cluster("a10g_l4_t4")
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
     ctx = CostContext.build(inventory, profile)
     speeds = speed_by_type(ctx)
     checked = 0
-    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+    for layout in _search(inventory, profile, 16).layouts:
         if len(layout) > 3:
             continue
         bound = lower_bound_ms(ctx, layout, m, 16)
@@ -151,6 +150,44 @@ def test_lower_bound_never_exceeds_any_layer_split(m: int) -> None:
             assert bound <= plan_cost(ctx, plan, memory=False).iteration_ms * (1 + 1e-12), (layout, split)
             checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("name", ["a10g_l4_t4", "mix32_4types"])
+def test_lower_bound_never_exceeds_a_random_plan_plain_or_interleaved(name: str) -> None:
+    """Random layouts of the search, random layer counts, random microbatch shares and a random
+    interleaving degree: the bound the loop queues a candidate by is below the plan's closed form and
+    below its simulation (what the search predicts it by)."""
+    import random
+
+    from zorse_lightning.planner.cost.evaluate import plan_cost
+    from zorse_lightning.planner.cost.simulate import simulate
+    from zorse_lightning.planner.interleaving import interleave
+    from zorse_lightning.planner.search.heuristic import _split_plan
+    from zorse_lightning.planner.search.problem import SEARCH_SHARDING
+
+    inventory = load_cluster(name)
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=1024)
+    search = _search(inventory, profile, 32)
+    rng = random.Random(37)
+    layouts = [l for l in search.layouts if 2 <= len(l) <= 6]
+    interleaved = 0
+    for _ in range(40):
+        layout, m, degree = rng.choice(layouts), rng.choice((2, 4, 8)), rng.choice((1, 2, 3))  # few microbatches
+        degree = degree if degree * len(layout) <= 12 else 1
+        counts = [degree] * len(layout)  # every group a layer per chunk, the rest anywhere
+        for _ in range(12 - sum(counts)):
+            counts[rng.randrange(len(counts))] += 1
+        shares = [[0] * len(ranks) for ranks in layout]
+        for stage in shares:
+            for _ in range(16 // m):
+                stage[rng.randrange(len(stage))] += 1
+        plain = _split_plan(search.ctx, layout, counts, shares, m, 16, Schedule.ONE_F_ONE_B, SEARCH_SHARDING, False)
+        plan = interleave(plain, degree)
+        interleaved += degree > 1
+        bound = lower_bound_ms(search.ctx, layout, m, 16, degree)
+        assert bound <= plan_cost(search.ctx, plan, memory=False).iteration_ms * (1 + 1e-12), (layout, counts, degree)
+        assert bound <= simulate(search.ctx, plan).makespan_ms * (1 + 1e-12), (layout, counts, degree)
+    assert interleaved > 10
 
 
 def test_lower_bound_counts_every_layer_of_one_microbatch() -> None:
@@ -169,8 +206,8 @@ def test_lower_bound_counts_every_layer_of_one_microbatch() -> None:
 def test_the_any_layout_bound_holds_for_every_layout_of_its_ranks_and_the_sub_cluster_plan(m: int) -> None:
     """The bound the search skips planning the fastest type alone by is below every layout's bound on
     those GPUs or fewer, and below the simulated time of the plan made on their sub-cluster."""
-    from zorse_lightning.planner.baseline_plans import fastest_type_cluster
-    from zorse_lightning.planner.bound import any_layout_lower_bound_ms
+    from zorse_lightning.planner.baselines import fastest_type_cluster
+    from zorse_lightning.planner.search.bound import any_layout_lower_bound_ms
     from zorse_lightning.planner.search import make_plan
 
     inventory = load_cluster("a10g_l4_t4")
@@ -178,7 +215,7 @@ def test_the_any_layout_bound_holds_for_every_layout_of_its_ranks_and_the_sub_cl
     ctx = CostContext.build(inventory, profile)
     everyone = tuple(range(inventory.world_size))
     checked = 0
-    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+    for layout in _search(inventory, profile, 16).layouts:
         used = tuple(sorted(r for stage in layout for r in stage))
         for ranks in {used, everyone}:
             assert any_layout_lower_bound_ms(ctx, ranks, m, 16) <= lower_bound_ms(ctx, layout, m, 16) * (1 + 1e-12)
@@ -195,17 +232,17 @@ def test_a_stage_unsharded_where_free_is_priced_as_a_fresh_pricing_would() -> No
     backward): the plan's prediction equals the prediction of the unsharded plan priced from scratch."""
     from zorse_lightning.capabilities import Sharding
     from zorse_lightning.planner.cost.evaluate import plan_cost, prediction
-    from zorse_lightning.planner.first_split import priced_unsharded_where_free, quick_splits
+    from zorse_lightning.planner.search.fit import unsharded_where_free
 
     inventory = load_cluster("a10g_l4_t4")
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=1024)
-    ctx = CostContext.build(inventory, profile)
-    windows, speeds = WindowCosts(ctx), speed_by_type(ctx)
+    search = _search(inventory, profile, 32)
+    ctx = search.ctx
     unsharded = 0
-    for layout in _layouts(ctx, PlannerOptions(allow_idle_ranks=True)):
+    for layout in search.layouts:
         for m in (1, 4):
-            plan = next(quick_splits(ctx, windows, layout, m, Schedule.ONE_F_ONE_B, 32, speeds, False))
-            found = plan and priced_unsharded_where_free(ctx, plan)
+            plan = balanced_plan(ctx, search.windows, layout, m, 32, schedule=Schedule.ONE_F_ONE_B, recompute=False, speeds=search.speeds)
+            found = plan and unsharded_where_free(search, plan)
             if found is None:
                 continue
             unsharded += sum(a.sharding is not b.sharding for a, b in zip(found.stages, plan.stages))

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.baselines import unprofiled_data_parallel
+from zorse_lightning.planner.unprofiled import unprofiled_data_parallel
 from zorse_lightning.startup.plan_at_start import MANUAL_OPTIMIZATION_REASON
 from zorse_lightning.strategy.manual_optimization import check_manual_plan
 from zorse_lightning.strategy.precision import DynamicLossScale, ZorsePrecision

@@ -18,7 +18,7 @@ from zorse_lightning.apps.hydra_support import report_user_errors, run_app
 from zorse_lightning.apps.model_source import profile_from_config
 from zorse_lightning.apps.planner_options import planner_options_from_config
 from zorse_lightning.cluster.config import inventory_from_config
-from zorse_lightning.planner.baselines import all_baselines
+from zorse_lightning.planner import all_baselines
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling import warn_if_mixed_sources

@@ -1,23 +1,16 @@
 """Layer 3: the planner. Pure functions over inventories and profiles; no torch, no process groups.
 
-Entry points: :func:`make_plan` (search + integer program), the baselines of
-:mod:`.baselines`, :func:`simulate` (the engine's programs of a plan as a timeline), and the cost model
-(:func:`plan_cost`, :class:`CostContext`), whose parts live in :mod:`.cost`.
+Entry points: :func:`make_plan` (the search, :mod:`.search`), :func:`all_baselines` (the baselines of
+:mod:`.baselines`, predicted as the plan is), :func:`simulate` (the engine's programs of a plan as a
+timeline), and the cost model (:func:`plan_cost`, :class:`CostContext`), whose parts live in :mod:`.cost`.
 """
 
-from zorse_lightning.planner.baselines import (
-    all_baselines,
-    cephalo,
-    data_parallel_equal,
-    fastest_type_alone,
-    proportional_heuristic,
-)
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost, memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.schedule.plan import Plan, Prediction, SolverRecord, StagePlan
-from zorse_lightning.planner.search import make_plan
 from zorse_lightning.planner.cost.simulate import EventKind, Timeline, TimelineEvent, simulate
+from zorse_lightning.planner.options import PlannerOptions
+from zorse_lightning.planner.search import all_baselines, make_plan
+from zorse_lightning.schedule.plan import Plan, Prediction, SolverRecord, StagePlan
 
 __all__ = [
     "CostContext",
@@ -31,13 +24,9 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "all_baselines",
-    "cephalo",
-    "data_parallel_equal",
-    "fastest_type_alone",
     "make_plan",
     "memory_overruns",
     "plan_cost",
     "prediction",
-    "proportional_heuristic",
     "simulate",
 ]

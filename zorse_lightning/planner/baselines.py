@@ -1,121 +1,151 @@
-"""Baselines, printed beside every plan, each predicted as the plan is (:func:`.choice.price`).
+"""Baselines, printed beside every plan and offered to the search as candidates, so that no plan the
+planner returns is slower than one it prints, in its own prediction, by construction.
 
-* ``data_parallel_equal``: what ``Trainer(strategy="ddp")`` does: every GPU the same
-  batch, one stage, no sharding, accumulating gradients over equal microbatches
-  where one microbatch per GPU does not fit (or is slower), as DDP users do;
-* ``fastest_type_alone``: the planner on the GPUs of the fastest type only (the
-  plan's ranks are those of a sub-cluster; its notes name the GPUs);
-* ``proportional_heuristic``: the Zorse paper's public code: one stage per machine,
-  layers and microbatches in proportion to speed, rounded, state ZeRO-sharded;
-* ``cephalo``: data parallel only, batches by speed, optimizer state sharded by
-  free memory (Cephalo).
+* ``data_parallel_equal``: what ``Trainer(strategy="ddp")`` does: every GPU the same batch, one stage, no
+  sharding, accumulating equal microbatches where one per GPU does not fit (or is slower), as DDP users do;
+* ``fastest_type_alone``: the planner on the GPUs of the fastest type only, through the planning function
+  the caller passes in;
+* ``proportional_heuristic``: the Zorse paper's public code: one stage per machine, layers and
+  microbatches in proportion to speed, rounded, state ZeRO-sharded;
+* ``cephalo``: data parallel only, batches by speed, optimizer state sharded by free memory (Cephalo).
 
-The plans are built by :mod:`.baseline_plans`, which the search offers as candidates too (so the
-planner's plan is never slower than one of them in its own prediction). Each returns a priced
-:class:`Plan`, or None when it does not fit. :func:`unprofiled_data_parallel` is the same data-parallel
-rule for a module that has no profile (it cannot be cut, or it optimises by hand): speeds from the
-datasheet, unpriced.
+Each is built in a cost context (:func:`builders`) and priced in the closed form, or None when it does not
+fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner import baseline_plans
-from zorse_lightning.planner.choice import price
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.schedule.plan import Plan, StagePlan
-from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.search import make_plan
-from zorse_lightning.profiling.profile import ModelProfile
+from zorse_lightning.planner.search.heuristic import HEURISTIC, priced, proportional_plan, speed_by_type
+from zorse_lightning.planner.search.layouts import unused_ranks
+from zorse_lightning.planner.search.problem import layout_plan, stage_plan
+from zorse_lightning.schedule.plan import Plan
+
+def _best(plans) -> Plan | None:
+    return min((p for p in plans if p is not None), key=lambda p: p.predicted.iteration_ms, default=None)
 
 
-def _priced(plan: Plan | None, ctx: CostContext) -> Plan | None:
-    return plan and price(ctx, plan)
+def _sizes(ctx: CostContext, global_batch_size: int, options: PlannerOptions) -> list[int]:
+    """Candidate sizes dividing the global batch, measured ones only on a measured profile (as the search)."""
+    measured = ctx.profile.measured_sizes
+    return [m for m in options.microbatch_sizes if global_batch_size % m == 0 and (measured is None or m in measured)]
 
 
-def data_parallel_equal(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
-) -> Plan | None:
-    """See :func:`.baseline_plans.data_parallel_equal`; the note says the accumulation, e.g.
-    ``accumulating 4 microbatches of 8``."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
-    return _priced(baseline_plans.data_parallel_equal(ctx, global_batch_size, options), ctx)
-
-
-def cephalo(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
-) -> Plan | None:
-    """One stage, microbatches by speed (accumulated), optimizer state sharded by free memory."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
-    return _priced(baseline_plans.cephalo(ctx, global_batch_size, options), ctx)
-
-
-def proportional_heuristic(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
-) -> Plan | None:
-    """One stage per machine, fastest machines first; layers and microbatches by speed."""
-    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
-    return _priced(baseline_plans.proportional_heuristic(ctx, global_batch_size, options), ctx)
-
-
-def fastest_type_alone(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
-) -> Plan | None:
-    """The planner on the fastest GPU type's GPUs only (a sub-cluster with its own ranks)."""
-    sub, _ = baseline_plans.fastest_type_cluster(CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules))
-    try:
-        plan = make_plan(sub, profile, global_batch_size, replace(options, stage_layout=None, layer_counts=None))
-    except PlanningError:
+def data_parallel_equal(ctx: CostContext, global_batch_size: int, options: PlannerOptions) -> Plan | None:
+    """One stage, the same batch on every GPU, no sharding, no recomputation: the fastest of the per-GPU
+    batch in one microbatch and, accumulating gradients, in equal microbatches of each size of
+    ``options.microbatch_sizes`` that divides it. The note says the accumulation."""
+    world = ctx.inventory.world_size
+    if global_batch_size % world:
         return None
-    return replace(plan, notes=(*plan.notes, f"baseline: only the {len(sub.gpus)} {sub.gpus[0].gpu_type.name} GPUs (ranks of the sub-cluster)"))
+    per_gpu = global_batch_size // world
+    measured = ctx.profile.measured_sizes
+    plans = []
+    for m in sorted({per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}, reverse=True):
+        if measured is not None and m not in measured:
+            continue
+        count = per_gpu // m
+        stage = stage_plan(ctx, tuple(range(world)), (0, ctx.profile.num_layers), (count,) * world, Sharding.NONE, False)
+        how = "one microbatch" if count == 1 else f"accumulating {count} microbatches of {m}"
+        notes = (f"baseline: data parallel, equal batches ({how})",)
+        plans.append(priced(ctx, layout_plan(ctx, [stage], global_batch_size, m, Schedule.ONE_F_ONE_B, solver=HEURISTIC, notes=notes)))
+    return _best(plans)
 
 
-def all_baselines(
-    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions()
-) -> dict[str, Plan | None]:
-    """Every baseline by name, in the order reports print them."""
+def _best_proportional(ctx, layout, global_batch_size: int, options: PlannerOptions, note: str, **kwargs) -> Plan | None:
+    """The best proportional split of ``layout`` over the microbatch sizes, with and without recomputation."""
+    best = _best(
+        priced(ctx, proportional_plan(ctx, layout, m, global_batch_size, recompute=recompute, **kwargs))
+        for m in _sizes(ctx, global_batch_size, options)
+        for recompute in (False, True)
+    )
+    return best and replace(best, notes=(note,))
+
+
+def cephalo(ctx: CostContext, global_batch_size: int, options: PlannerOptions) -> Plan | None:
+    """One stage, microbatches by speed (accumulated), optimizer state sharded by free memory."""
+    note = "baseline: Cephalo (data parallel, batches by speed, state sharded by memory)"
+    return _best_proportional(ctx, (tuple(range(ctx.inventory.world_size)),), global_batch_size, options, note)
+
+
+def proportional_heuristic(ctx: CostContext, global_batch_size: int, options: PlannerOptions) -> Plan | None:
+    """One stage per machine, fastest machines first; layers and microbatches by speed."""
+    inventory, speeds = ctx.inventory, speed_by_type(ctx)
+    groups = sorted(inventory.ranks_by_machine.values(), key=lambda ranks: -sum(speeds[inventory.gpus[r].gpu_type.name] for r in ranks) / len(ranks))
+    if len(groups) > ctx.profile.num_layers:
+        return None
+    note = "baseline: proportional heuristic (Zorse public code), one stage per machine"
+    return _best_proportional(ctx, tuple(tuple(g) for g in groups), global_batch_size, options, note, speeds=speeds)
+
+
+def builders(
+    ctx: CostContext, global_batch_size: int, options: PlannerOptions, plan_cluster: Callable[[ClusterInventory], Plan]
+) -> dict[str, tuple[tuple[int, ...], Callable[[], Plan | None]]]:
+    """Every baseline by name, in the order reports print them: the ranks it may use, and what builds its
+    plan. ``plan_cluster`` is the planner, which plans the fastest type alone on its sub-cluster (the plan's
+    ranks are the sub-cluster's; its note names the GPUs)."""
+    sub, ranks = fastest_type_cluster(ctx)
+
+    def alone() -> Plan | None:
+        try:
+            plan = plan_cluster(sub)
+        except PlanningError:
+            return None
+        return replace(plan, notes=(*plan.notes, f"baseline: only the {len(sub.gpus)} {sub.gpus[0].gpu_type.name} GPUs (ranks of the sub-cluster)"))
+
+    every = tuple(range(ctx.inventory.world_size))
     return {
-        "data_parallel_equal": data_parallel_equal(inventory, profile, global_batch_size, options),
-        "fastest_type_alone": fastest_type_alone(inventory, profile, global_batch_size, options),
-        "proportional_heuristic": proportional_heuristic(inventory, profile, global_batch_size, options),
-        "cephalo": cephalo(inventory, profile, global_batch_size, options),
+        "data_parallel_equal": (every, lambda: data_parallel_equal(ctx, global_batch_size, options)),
+        "fastest_type_alone": (ranks, alone),
+        "proportional_heuristic": (every, lambda: proportional_heuristic(ctx, global_batch_size, options)),
+        "cephalo": (every, lambda: cephalo(ctx, global_batch_size, options)),
     }
 
 
-def unprofiled_data_parallel(
-    inventory: ClusterInventory, global_batch_size: int, reason: str, shard_optimizer: bool = True
-) -> Plan:
-    """Cephalo's rule without a profile: one stage of every rank, microbatches by datasheet peak speed,
-    optimizer state sharded by memory (unless ``shard_optimizer`` is False: a module optimising by hand
-    steps every weight on every rank).
+def fastest_type_cluster(ctx: CostContext) -> tuple[ClusterInventory, tuple[int, ...]]:
+    """The sub-cluster of the fastest GPU type's GPUs (its own ranks 0..n-1), and their ranks in the whole
+    cluster, in the sub-cluster's order."""
+    inventory = ctx.inventory
+    speeds = speed_by_type(ctx)
+    fastest = max(speeds, key=speeds.get)
+    machines = []
+    for machine in inventory.machines:
+        keep = [i for i, t in enumerate(machine.gpu_types) if t.name == fastest]
+        if keep:
+            machines.append(replace(
+                machine,
+                gpu_types=tuple(machine.gpu_types[i] for i in keep),
+                memory_budget_gib=tuple(machine.memory_budget_gib[i] for i in keep) if machine.memory_budget_gib else (),
+            ))
+    names = {m.name for m in machines}
+    sub = replace(
+        inventory,
+        name=f"{inventory.name}[{fastest} only]",
+        machines=tuple(machines),
+        machine_links=tuple(l for l in inventory.machine_links if {l.machine_a, l.machine_b} <= names),
+        datacenter_links=tuple(
+            l for l in inventory.datacenter_links
+            if {l.datacenter_a, l.datacenter_b} <= {m.datacenter for m in machines}
+        ),
+    )
+    return sub, tuple(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == fastest)
 
-    For modules the planner cannot profile block by block; one stage has no
-    layer split to balance, so peak speeds suffice. Microbatches are as large as
-    leaves each rank about four of them, so the speed split can be fine-grained.
-    The plan's notes say ``data parallel only: <reason>``.
-    """
-    world = inventory.world_size
-    microbatch_size = max(d for d in range(1, global_batch_size + 1)
-                          if global_batch_size % d == 0 and global_batch_size // d >= min(4 * world, global_batch_size))
-    counts = proportional_counts(global_batch_size // microbatch_size, [g.gpu_type.peak_tflops for g in inventory.gpus])
-    memory = [g.memory_gib for g in inventory.gpus]
-    sharded = shard_optimizer and world > 1
-    stage = StagePlan(
-        ranks=tuple(range(world)),
-        gpu_types=tuple(g.gpu_type.name for g in inventory.gpus),
-        machines=tuple(g.machine for g in inventory.gpus),
-        layers=(0, 1),
-        microbatches_per_rank=tuple(counts),
-        sharding=Sharding.OPTIMIZER if sharded else Sharding.NONE,
-        shard_fractions=tuple(m / sum(memory) for m in memory) if sharded else (),
+
+def onto_cluster(ctx: CostContext, plan: Plan | None, ranks: tuple[int, ...]) -> Plan | None:
+    """A plan of :func:`fastest_type_cluster`'s sub-cluster on the whole cluster: sub-cluster rank ``i`` is
+    ``ranks[i]``, every other rank idle; priced again in ``ctx`` (None when it does not fit there)."""
+    if plan is None:
+        return None
+    stages = tuple(replace(s, ranks=tuple(ranks[r] for r in s.ranks)) for s in plan.stages)
+    moved = replace(
+        plan, cluster=ctx.inventory.name, world_size=ctx.inventory.world_size, stages=stages,
+        idle_ranks=unused_ranks(ctx.inventory.world_size, tuple(s.ranks for s in stages)), predicted=None,
     )
-    return Plan(
-        model="", cluster=inventory.name, num_layers=1, world_size=world, global_batch_size=global_batch_size,
-        microbatch_size=microbatch_size, schedule=Schedule.ONE_F_ONE_B, stages=(stage,),
-        notes=(f"data parallel only: {reason}",),
-    )
+    return priced(ctx, moved)

@@ -62,7 +62,7 @@ class PlannerOptions:
     max_interleave: int = 4
     """Most layer chunks (virtual stages) per group of ranks the planner tries on its best plan
     (interleaving shortens the pipeline's fill and drain about V-fold at V times the activation
-    transfers and more activations in flight, :mod:`.interleave_choice`); 1: never interleave.
+    transfers and more activations in flight: a dimension of the search, :mod:`.search.space`); 1: never interleave.
     Offered only where the engine runs interleaved plans (``capabilities.SUPPORTS_INTERLEAVING``)."""
     stage_layout: tuple[tuple[int, ...], ...] | None = None
     """Pin: the stages in pipeline order, each a tuple of global ranks, every rank in exactly one."""

@@ -52,7 +52,7 @@ from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.engine.p2p_rules import rules_from_environment
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import CutError, find_block_list
-from zorse_lightning.planner.baselines import unprofiled_data_parallel
+from zorse_lightning.planner.unprofiled import unprofiled_data_parallel
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.search import make_plan

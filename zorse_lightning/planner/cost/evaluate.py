@@ -275,8 +275,17 @@ class _Played:
     batches: tuple[tuple[P2PBatch, ...], ...] | None = None
 
 
+def programs_recorded(ctx: CostContext, plan: Plan) -> bool:
+    """Whether ``plan``'s shape has its programs recorded in ``ctx`` already (pricing it records none)."""
+    return _shape(plan) in ctx._programs
+
+
+def _shape(plan: Plan) -> tuple:
+    return plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank) for s in plan.stages)
+
+
 def _played(ctx: CostContext, plan: Plan) -> _Played:
-    key = (plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank) for s in plan.stages))
+    key = _shape(plan)
     if key not in ctx._programs:
         ctx._programs[key] = _Played(*played_programs(plan))
     return ctx._programs[key]

@@ -17,9 +17,9 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.cost.compute import per_sample_layer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.ilp import AssignmentProblem, layer_options
+from zorse_lightning.planner.search.ilp import AssignmentProblem, layer_options
 from zorse_lightning.schedule.plan import Plan, SolverRecord
-from zorse_lightning.planner.problem import (
+from zorse_lightning.planner.search.problem import (
     SEARCH_SHARDING,
     WindowCosts,
     block_extras,

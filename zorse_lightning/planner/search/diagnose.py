@@ -7,10 +7,10 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, stage_memory
-from zorse_lightning.planner.grouping import Layout
+from zorse_lightning.planner.search.layouts import Layout
 from zorse_lightning.planner.cost.memory import RankMemory
 from zorse_lightning.schedule.plan import Plan
-from zorse_lightning.planner.problem import SEARCH_SHARDING, layout_plan, stage_plan
+from zorse_lightning.planner.search.problem import SEARCH_SHARDING, layout_plan, stage_plan
 from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.units import bytes_to_gib
 

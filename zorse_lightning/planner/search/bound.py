@@ -14,12 +14,13 @@ from collections import Counter
 
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.update import update_lower_bound_ms
-from zorse_lightning.planner.grouping import Layout
-from zorse_lightning.planner.problem import block_extras, round_trip_ms
+from zorse_lightning.planner.search.layouts import Layout
+from zorse_lightning.planner.search.problem import block_extras, round_trip_ms
 
 
-def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int) -> float:
-    """No plan of the layout at microbatch size ``m`` is faster than this.
+def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int, interleave: int = 1) -> float:
+    """No plan of the layout at microbatch size ``m`` (its groups cut into ``interleave`` chunks each) is
+    faster than this.
 
     The busiest stage works at least as long as (a) the whole model's work spread
     over every GPU of the layout at its fastest layer time, and (b) any one stage
@@ -31,7 +32,9 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
     the microbatches a stage's busiest GPU must take. Then the optimizer step: the
     stages hold every parameter between them, and no split of them over stages and
     shards steps faster than all of them spread over every GPU of the layout by its
-    speed (:func:`update_lower_bound_ms`).
+    speed (:func:`update_lower_bound_ms`). Interleaved, a microbatch still passes at least a layer of
+    every other group in the fill and drain, and crosses every boundary, but no longer every layer of
+    the others: :func:`bottleneck_bound_ms` holds for plain plans only.
     """
     num_m = global_batch_size // m
     last = len(layout) - 1
@@ -47,7 +50,7 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
     transfers = sum(round_trip_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
-        bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras),
+        bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
     ) + transfers
     return compute + update_lower_bound_ms(ctx, [r for ranks in layout for r in ranks])
 

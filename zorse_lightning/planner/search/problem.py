@@ -17,8 +17,8 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.cost.comm import stage_sync_ms, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, tied_sync_ms
-from zorse_lightning.planner.grouping import Layout, unused_ranks
-from zorse_lightning.planner.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
+from zorse_lightning.planner.search.layouts import Layout, unused_ranks
+from zorse_lightning.planner.search.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
 from zorse_lightning.planner.cost.memory import profile_state_bytes, stage_state_bytes
 from zorse_lightning.schedule.programs import one_f_one_b_warmup
 from zorse_lightning.schedule.plan import Plan, StagePlan

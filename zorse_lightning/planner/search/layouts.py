@@ -126,15 +126,12 @@ def split_groups(groups: list[tuple[int, ...]], parts: int) -> list[tuple[int, .
 def stage_orders(
     groups: list[tuple[int, ...]], inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float]
 ) -> list[Layout]:
-    """Orders worth trying: the path with the fastest boundaries, fastest GPUs first, the
-    same with the fastest group moved last (the last stage also computes the head, as
-    costly as a layer or two: on the slowest GPUs it would be the bottleneck), slowest
-    first (the fastest last with the head, and the slow groups, holding few layers, first,
-    where 1F1B's warm-up keeps the most activations: Llama 13B on eight machines of four types,
-    4 % faster than any other rule's order), most memory first (the first stage of 1F1B holds the most microbatches in flight), and most
-    memory per unit of speed first: a group's layers follow its speed, so this is the room
-    each of its layers has for activations in flight (four whole machines of four types at
-    Llama 7B: A6000, A10G, A100, V100, the order a peer's planner finds and the others miss)."""
+    """Orders worth trying: the path with the fastest boundaries; fastest GPUs first; the same with the
+    fastest group moved last (the last stage also computes the head); slowest first (the slow groups, holding
+    few layers, first, where 1F1B's warm-up keeps the most activations); most memory first (the first stage
+    holds the most microbatches in flight); most memory per unit of speed first (a group's layers follow its
+    speed, so this is the room each of its layers has for activations in flight). Up to
+    :data:`.space.MOST_ORDERED_GROUPS` groups the loop tries every order of the plan it holds as well."""
     if len(groups) == 1:
         return [tuple(groups)]
     machines = [sorted({inventory.gpus[r].machine for r in g}) for g in groups]

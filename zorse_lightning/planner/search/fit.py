@@ -1,0 +1,303 @@
+"""From a candidate to plans that fit: its split, and the one :func:`fit` every plan goes through.
+
+A split gives each group of ranks its layers and microbatches: the heuristic balances the stages' busy
+time (:func:`heuristic_split`), the integer program optimises it in its own conservative model
+(:func:`program_split`), a gathered stage shares its microbatches evenly (:func:`gathered_draft`), an
+interleaving cuts a plain plan's groups into chunks (:func:`interleaved_draft`). :func:`fit` then applies
+the remedies in one order to plain and interleaved plans alike, each only where the plan is still over
+memory: shard the groups of several GPUs (unsharded again where that is free), offload activations (kept
+beside the plan without it: the choice keeps it only where it is faster), move layers off the groups over
+memory, and last recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from zorse_lightning.capabilities import Sharding
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.units import bytes_to_gib
+from zorse_lightning.planner.cost.evaluate import (
+    PlanCost,
+    memory_overruns,
+    plan_cost,
+    prediction,
+    stage_memory,
+    stage_own_sync_ms,
+    stage_update_ms,
+    with_stage_costs,
+)
+from zorse_lightning.planner.cost.simulate import simulate
+from zorse_lightning.planner.interleaving import interleave, with_layer_counts
+from zorse_lightning.planner.rounding import proportional_counts
+from zorse_lightning.planner.search.heuristic import balanced_plan
+from zorse_lightning.planner.search.ilp import solve_assignment
+from zorse_lightning.planner.search.problem import (
+    SEARCH_SHARDING,
+    Candidate as ProgramCandidate,
+    build_problem,
+    layout_plan,
+    stage_plan,
+    to_plan,
+    with_free_memory_shards,
+)
+from zorse_lightning.planner.search.space import Search
+from zorse_lightning.schedule.plan import Plan, SolverRecord
+from zorse_lightning.schedule.programs import build_schedule
+
+Past = Callable[[Plan], bool]
+"""Whether a plan priced in the closed form (without its memory) can no longer change the choice."""
+
+EVEN_SPLIT = SolverRecord("even split", "stages gathered per microbatch: microbatches split evenly")
+
+
+def split_draft(search: Search, layout, m: int) -> Plan | None:
+    """The candidate's balanced split, unpriced and unfitted."""
+    return _balanced(search, layout, m, False, False)
+
+
+def heuristic_split(search: Search, layout, m: int) -> list[Plan]:
+    """The candidate's balanced split made to fit; its layers moved by capping each stage at what its memory
+    holds in the integer program's model, and with recomputation the same again."""
+    moved = lambda plan, *_: _balanced(search, layout, m, plan.stages[0].recompute, True)  # noqa: E731
+    return fit(search, _balanced(search, layout, m, False, False), None, moved, lambda _: _balanced(search, layout, m, True, False))
+
+
+def _balanced(search: Search, layout, m: int, recompute: bool, within_memory: bool) -> Plan | None:
+    program = within_memory and build_problem(search.ctx, search.windows, _program(search, layout, m, recompute), search.global_batch_size, None)
+    return balanced_plan(
+        search.ctx, search.windows, layout, m, search.global_batch_size, schedule=search.schedule, recompute=recompute,
+        speeds=search.speeds, fit=program or None,
+    )
+
+
+def program_split(search: Search, layout, m: int, start: Plan | None) -> tuple[Plan | None, int]:
+    """The integer program's split of the candidate (warm-started from ``start`` where it recomputes alike),
+    without recomputation and, where that has no solution, with it; and the programs solved."""
+    for solved, recompute in enumerate((False, True), 1):
+        candidate = _program(search, layout, m, recompute)
+        problem, groups = build_problem(search.ctx, search.windows, candidate, search.global_batch_size, search.options.layer_counts)
+        warm = _start_from(start, groups) if start is not None and start.stages[0].recompute == recompute else None
+        assignment = solve_assignment(problem, search.options.solver_time_limit_s, warm)
+        if assignment is not None:
+            plan = to_plan(search.ctx, candidate, assignment, groups, search.global_batch_size)
+            return unsharded_where_free(search, plan), solved
+    return None, 2
+
+
+def gathered_draft(search: Search, layout, m: int, recompute: bool = False) -> Plan | None:
+    """Every stage's parameters sharded and gathered block by block for each microbatch, priced in the closed
+    form (unfitted): the stage's GPUs meet in each block's gathers, so a round of microbatches lasts as long
+    as its slowest GPU's and the fewest rounds are best: microbatches split evenly (the remainder to the
+    fastest GPUs); layers as the heuristic split balances them."""
+    plain = _balanced(search, layout, m, False, False)
+    if plain is None:
+        return None
+    stages = []
+    for stage in plain.stages:
+        order = sorted(stage.ranks, key=lambda r: -search.speeds[search.gpu_type(r)])
+        shares = dict(zip(order, proportional_counts(sum(stage.microbatches_per_rank), [1.0] * len(order))))
+        stages.append(stage_plan(search.ctx, stage.ranks, stage.layers, [shares[r] for r in stage.ranks], Sharding.FULL, recompute, True))
+    plan = layout_plan(search.ctx, stages, search.global_batch_size, m, search.schedule, solver=EVEN_SPLIT)
+    return _closed_form(search, with_free_memory_shards(search.ctx, plan))
+
+
+def gathered_fit(search: Search, draft: Plan) -> list[Plan]:
+    """A gathered draft made to fit (recomputing where it does not otherwise); a pipeline's plan kept only
+    where the rendezvous play finds an order of its gathering rounds and messages that cannot hang."""
+    recomputed = lambda _: gathered_draft(search, tuple(s.ranks for s in draft.stages), draft.microbatch_size, True)  # noqa: E731
+    return [plan if len(plan.stages) == 1 else _calibrated(search, plan) for plan in fit(search, draft, None, recomputed=recomputed)
+            if len(plan.stages) == 1 or _runs(plan)]
+
+
+def _calibrated(search: Search, plan: Plan) -> Plan:
+    """A gathered pipeline predicted by its closed form times what the simulation of the same pipeline
+    without gathers says of its closed form: the simulation does not play the gathers, and the closed form
+    alone misses what the pipeline's links cost (a slow link between stages most)."""
+    plain = replace(plan, stages=tuple(replace(s, gather_per_microbatch=False) for s in plan.stages))
+    played = simulate(search.ctx, plain)
+    ms = plan.predicted.iteration_ms * played.makespan_ms / played.predicted_iteration_ms
+    return replace(plan, predicted=replace(
+        plan.predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0, closed_form_ms=plan.predicted.iteration_ms,
+    ))
+
+
+def _runs(plan: Plan) -> bool:
+    try:
+        return build_schedule(plan) is not None
+    except PlanningError:
+        return False
+
+
+def interleaved_draft(search: Search, plain: Plan, degree: int) -> Plan:
+    """``plain`` with each group's layers cut into ``degree`` chunks, priced in the closed form without its
+    memory (unfitted); a group holding fewer layers than the degree first gets layers from the groups then
+    busiest (else a slow group holding few layers would rule the degree out)."""
+    busy = _busy(search, plain)
+    counts = [stage.num_layers for stage in plain.stages]
+    for thin in (g for g in range(len(counts)) if counts[g] < degree):
+        while counts[thin] < degree:
+            donor = max((g for g in range(len(counts)) if counts[g] > degree), key=lambda g: busy[g])
+            busy[donor] *= (counts[donor] - 1) / counts[donor]
+            busy[thin] *= (counts[thin] + 1) / counts[thin]
+            counts[donor] -= 1
+            counts[thin] += 1
+    return _closed_form(search, interleave(with_layer_counts(plain, counts) if counts != [s.num_layers for s in plain.stages] else plain, degree))
+
+
+def interleaved_fit(search: Search, draft: Plan, plain: Plan, past: Past, refused: list[str]) -> list[Plan]:
+    """An interleaved draft of ``plain`` made to fit, remedies in the module's order (no layer moved where the
+    layer counts are pinned); ``refused`` receives why it gave nothing."""
+    busy = _busy(search, plain)
+    overran: set[int] = set()
+    recompute = lambda p: replace(p, stages=tuple(replace(s, recompute=True) for s in p.stages), predicted=None)  # noqa: E731
+    moved = (lambda p, cost, over: _layer_moved(p, cost, over, busy, overran)) if search.options.layer_counts is None else (lambda *_: None)
+    plans = fit(search, draft, past, moved, recompute)
+    if not plans:
+        priced = _priced(search, draft)
+        group, rank, gib = max(priced[2], key=lambda o: o[2]) if priced and priced[2] else (0, draft.stages[0].ranks[0], 0.0)
+        refused.append(f"x{draft.interleave} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)")
+    return plans
+
+
+def _busy(search: Search, plain: Plan) -> list[float]:
+    """Each group's busy time in ``plain``'s closed form: where layers moved for interleaving cost least."""
+    return [cost.busy_ms for cost in plan_cost(search.ctx, plain, memory=False).stages]
+
+
+def fit(
+    search: Search, plan: Plan | None, past: Past | None, moved: Callable[..., Plan | None] = lambda *_: None,
+    recomputed: Callable[[Plan], Plan | None] = lambda _: None,
+) -> list[Plan]:
+    """``plan`` priced where it fits, else the remedies of the module's order, each on what the ones before
+    left over memory: the plans that fit, priced (``past``: where given, no layer is moved once the plan
+    could no longer change the choice) (the choice keeps the fastest); none where no remedy
+    helps. ``moved`` (given the plan, its cost and overruns) and ``recomputed``: how this kind of plan moves
+    layers and recomputes."""
+    fitting: list[Plan] = []
+    for attempt in (plan, recomputed(plan) if plan is not None else None):
+        chain = _priced(search, attempt)
+        if chain is not None and chain[2]:
+            sharded = _priced(search, _sharded(search, chain[0]))
+            chain = sharded or chain
+        if chain is not None and chain[2] and search.options.allow_offload:
+            fitting += [p for p in [_fitting(search, _priced(search, _offloaded(*chain)))] if p]
+        while chain is not None and chain[2]:
+            shifted = moved(*chain)
+            if shifted is None or shifted.stages == chain[0].stages or (past and past(_closed_form(search, shifted))):
+                break
+            chain = _priced(search, shifted)
+        if chain is not None and not chain[2]:
+            return [*fitting, _fitting(search, chain)]
+    return fitting
+
+
+def unsharded_where_free(search: Search, plan: Plan, cost: PlanCost | None = None) -> Plan | None:
+    """The plan, priced, with its stages unsharded where they fit and that is no slower (fewer collectives to
+    get wrong); None when it does not fit even sharded.
+
+    Unsharding a stage changes only what it does after its last backward: an all-reduce instead of a
+    reduce-scatter and an all-gather (the same traffic at ``optimizer_gradients``) and a longer optimizer
+    step. The iteration is the pipeline plus the longest such tail of any stage, so unsharding costs
+    nothing while the stage's new tail stays within the plan's longest."""
+    ctx = search.ctx
+    cost = cost or plan_cost(ctx, plan)
+    if memory_overruns(ctx, plan, cost):
+        return None
+    stages, stage_costs = list(plan.stages), list(cost.stages)
+    for i, stage in enumerate(plan.stages):
+        if stage.sharding is Sharding.NONE or stage.gather_per_microbatch or plan.interleave > 1:
+            continue
+        unsharded = replace(stage, sharding=Sharding.NONE, shard_fractions=())
+        shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
+        own_sync_ms = stage_own_sync_ms(ctx, plan, i, unsharded)
+        update_ms = stage_update_ms(ctx, plan, i, unsharded)
+        if shared_sync_ms + own_sync_ms + max(update_ms) > cost.tail_ms:
+            continue
+        memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
+        if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
+            stages[i], stage_costs[i] = unsharded, replace(cost.stages[i], sync_ms=own_sync_ms, update_ms=update_ms, memory=memory)
+    if stages == list(plan.stages):
+        return replace(plan, predicted=prediction(ctx, plan, cost))
+    unsharded_plan = replace(plan, stages=tuple(stages))
+    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, tuple(stage_costs))))
+
+
+def _priced(search: Search, plan: Plan | None) -> tuple[Plan, PlanCost, list] | None:
+    """``plan`` with its cost and memory overruns; None for no plan, or one no 1F1B order exists for."""
+    if plan is None:
+        return None
+    try:
+        cost = plan_cost(search.ctx, plan)
+    except PlanningError:
+        return None
+    return plan, cost, memory_overruns(search.ctx, plan, cost)
+
+
+def _fitting(search: Search, priced: tuple[Plan, PlanCost, list] | None) -> Plan | None:
+    if priced is None or priced[2]:
+        return None
+    plan, cost, _ = priced
+    return unsharded_where_free(search, plan, cost) if plan.interleave == 1 else replace(plan, predicted=prediction(search.ctx, plan, cost))
+
+
+def _closed_form(search: Search, plan: Plan) -> Plan:
+    """``plan`` predicted by its closed form without memory (no programs recorded)."""
+    return replace(plan, predicted=prediction(search.ctx, plan, plan_cost(search.ctx, plan, memory=False)))
+
+
+def _sharded(search: Search, plan: Plan) -> Plan | None:
+    """``plan`` with its unsharded groups of several GPUs sharded as the search shards them (None: none)."""
+    stages = tuple(
+        replace(s, sharding=SEARCH_SHARDING) if len(s.ranks) > 1 and s.sharding is Sharding.NONE else s for s in plan.stages
+    )
+    return with_free_memory_shards(search.ctx, replace(plan, stages=stages, predicted=None)) if stages != plan.stages else None
+
+
+def _offloaded(plan: Plan, cost: PlanCost, over: list) -> Plan | None:
+    """``plan`` offloading activations on every chunk of each group of ranks over memory (a group that
+    recomputes offloads what recomputation keeps, its blocks' inputs); None where that changes nothing."""
+    groups = {plan.rank_groups[group].ranks for group, _, _ in over}
+    stages = tuple(
+        replace(s, offload_activations=True) if s.ranks in groups and not s.gather_per_microbatch else s for s in plan.stages
+    )
+    return replace(plan, stages=stages, predicted=None) if stages != plan.stages else None
+
+
+def _layer_moved(plan: Plan, cost: PlanCost, over: list[tuple[int, int, float]], busy: list[float], overran: set[int]) -> Plan | None:
+    """``plan`` (interleaved) with layers moved off the group most over memory, as many whole layers as its
+    excess over its memory per layer (which counts its fixed memory too: a move never overshoots), at least
+    one, each to the
+    group never over memory (``overran`` collects them, so no layer moves back) then least busy (``busy``:
+    the plain plan's busy time per group, scaled by layers); None where no group can give one (each needs a
+    layer per chunk) or take one."""
+    counts = [sum(plan.stages[s].num_layers for s in plan.stages_of_group(g)) for g in range(plan.num_groups)]
+    donor, rank, excess_gib = max(over, key=lambda o: o[2])
+    group = plan.rank_groups[donor]
+    used_gib = bytes_to_gib(cost.stages[plan.stages_of_group(donor)[0]].memory[group.ranks.index(rank)].total_bytes)
+    overran.update(g for g, _, _ in over)
+    takers = [g for g in range(len(counts)) if g not in overran]
+    moving = min(max(1, math.floor(excess_gib / (used_gib / counts[donor]))), counts[donor] - plan.interleave)
+    if moving < 1 or not takers:
+        return None
+    for _ in range(moving):
+        taker = min(takers, key=lambda g: busy[g] * (counts[g] + 1) / counts[g])
+        counts[donor] -= 1
+        counts[taker] += 1
+    return with_layer_counts(plan, counts)
+
+
+def _program(search: Search, layout, m: int, recompute: bool) -> ProgramCandidate:
+    return ProgramCandidate(layout, m, search.schedule, SEARCH_SHARDING, recompute)
+
+
+def _start_from(plan: Plan, groups: list[list[tuple[int, ...]]]) -> tuple:
+    """A plan's layer counts and per-group microbatches, as a start for the program."""
+    counts = tuple(s.num_layers for s in plan.stages)
+    shares = tuple(
+        tuple(sum(dict(zip(stage.ranks, stage.microbatches_per_rank))[r] for r in group) for group in stage_groups)
+        for stage, stage_groups in zip(plan.stages, groups)
+    )
+    return counts, shares

@@ -1,0 +1,350 @@
+"""The planner's entry point: one loop over the candidate space, in increasing order of a lower bound.
+
+The candidates (:mod:`.space`) are every choice a plan makes before its split: stage groups and their
+order, microbatch size, schedule, interleaving degree, gathering per microbatch, and the baselines the
+planner prints (so no plan is slower than one by construction). One queue holds them by a lower bound on
+any plan they can give (:mod:`.bound`), refined as the search learns (:meth:`_Loop._refined`). The loop takes
+the next, drafts it in the closed form or splits and fits it (:mod:`.fit`), offers what fits to the choice
+(:mod:`.choice`) and queues what that opens: the program's split, the interleavings, the gathered plan
+where a remedy was needed, the other orders of the plan held, and each plan's simulation. It stops when the
+next bound reaches the plan held, simulated; work beyond its one budget (:data:`.space.WORK_PER_GPU`) keeps
+the closed form. GPipe is tried only when pinned: its time equals 1F1B's and its memory is never smaller.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.planner import baselines
+from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.evaluate import plan_cost, prediction, programs_recorded
+from zorse_lightning.planner.interleaving import degrees
+from zorse_lightning import capabilities
+from zorse_lightning.planner.options import PlannerOptions
+from zorse_lightning.planner.search.choice import IDLE_MARGIN, INTERLEAVE_MARGIN, Choice, handicap, price, simulable, simulated, work_of
+from zorse_lightning.planner.search.diagnose import infeasible_error
+from zorse_lightning.planner.search.fit import (
+    gathered_draft, gathered_fit, heuristic_split, interleaved_draft, interleaved_fit, program_split, split_draft,
+)
+from zorse_lightning.planner.search.heuristic import HEURISTIC
+from zorse_lightning.planner.search.ilp import SOLVER_NAME
+from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
+from zorse_lightning.planner.search.space import WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders
+from zorse_lightning.profiling.profile import ModelProfile
+from zorse_lightning.schedule.plan import Plan, SolverRecord
+
+
+def make_plan(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions(),
+    programs: ProgramLog | None = None,
+) -> Plan:
+    """The fastest plan the search finds; raises :class:`PlanningError` when none fits.
+
+    ``programs``, when given, receives a :class:`ProgramRun` per integer program solved."""
+    with _collector_paused():
+        started = time.perf_counter()
+        search = Search.build(inventory, profile, global_batch_size, options, _planner(profile, global_batch_size, options))
+        loop = _Loop(search, programs)
+        loop.run()
+        return loop.result(started)
+
+
+def all_baselines(
+    inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions = PlannerOptions(),
+    names: tuple[str, ...] | None = None,
+) -> dict[str, Plan | None]:
+    """The baselines of ``names`` (every one by default, in the order reports print them), each predicted
+    as the plan is; the fastest type alone is planned by :func:`make_plan` on its sub-cluster."""
+    ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
+    built = baselines.builders(ctx, global_batch_size, options, _planner(profile, global_batch_size, options))
+    plans = {name: build() for name, (_, build) in built.items() if names is None or name in names}
+    return {name: plan and (plan if name == "fastest_type_alone" else price(ctx, plan)) for name, plan in plans.items()}
+
+
+def _planner(profile: ModelProfile, global_batch_size: int, options: PlannerOptions):
+    """:func:`make_plan` of another cluster with these options, pins of ranks and layers left out."""
+    return lambda cluster: make_plan(cluster, profile, global_batch_size, replace(options, stage_layout=None, layer_counts=None))
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while the search runs (as it was after). The search allocates millions
+    of small records (plans, actions, events) that reference counting frees, and the collector walked every
+    live one again and again: 10 % of planning at 32 GPUs, 11 % at 1024 (CPU time, this 2-core machine)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _structure(plan: Plan) -> tuple:
+    return plan.microbatch_size, tuple((s.ranks, s.layers) for s in plan.stages)
+
+
+def _margin(candidate: Candidate, world_size: int) -> float:
+    """The handicap of every plan ``candidate`` can give (:func:`.choice.handicap`)."""
+    if candidate.kind is Kind.SIMULATED:
+        return handicap(candidate.plan)
+    idle = sum(map(len, candidate.layout)) < world_size
+    return (1 - IDLE_MARGIN) ** idle * (1 - INTERLEAVE_MARGIN) ** (candidate.interleave > 1)
+
+
+class _Loop:
+    """One planning call's queue, choice and counts."""
+
+    def __init__(self, search: Search, programs: ProgramLog | None) -> None:
+        self.search, self.programs = search, programs
+        self.choice = Choice(search.ctx, budget=WORK_PER_GPU * search.ctx.inventory.world_size)
+        self.queue: list[tuple[float, int, Candidate]] = []
+        self.seen: set = set()
+        self.order = itertools.count()
+        self.solves = 0
+        self.bases: dict[int, object] = {}
+        self.floor = self.choice.floor
+        """The floor the keys in the queue were scaled by: where the choice's falls, every key is refreshed."""
+        self.parked: list[Candidate] = []
+        """Candidates past the plan held: queued again where the floor falls."""
+        self.ordered: set[tuple] = set()
+        """The plans held whose other orders are queued, by structure."""
+        self.refusals: dict[tuple, list[str]] = {}
+        """Why each plain plan's interleavings gave nothing, by its structure."""
+        for candidate in first_candidates(search, [] if search.pinned else self._baselines()):
+            self._push(candidate)
+
+    def _baselines(self):
+        """The baselines as candidates, with the ranks each may use: the fastest type alone put back on the
+        cluster's ranks, where the plan may leave GPUs idle and the cluster has several types; the
+        proportional heuristic where pipelines are allowed."""
+        search, ctx = self.search, self.search.ctx
+        for name, (ranks, build) in baselines.builders(ctx, search.global_batch_size, search.options, search.plan_cluster).items():
+            if name == "fastest_type_alone":
+                if search.options.allow_idle_ranks and len(ctx.inventory.gpu_types) > 1:
+                    yield ranks, lambda build=build, ranks=ranks: baselines.onto_cluster(ctx, build(), ranks), True
+            elif name != "proportional_heuristic" or search.options.allow_pipeline:
+                yield ranks, build, False
+
+    def _push(self, candidate: Candidate) -> None:
+        if candidate.key not in self.seen:
+            self.seen.add(candidate.key)
+            heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
+
+    def run(self) -> None:
+        world = self.search.ctx.inventory.world_size
+        while self.queue:
+            if self.choice.floor < self.floor:  # keys scaled by the floor are too high now: every key again
+                self.floor = self.choice.floor
+                self.queue = [(self._refined(c), order, c) for _, order, c in self.queue] + [
+                    (self._refined(c), next(self.order), c) for c in self.parked]
+                self.parked = []
+                heapq.heapify(self.queue)
+            bound, _, candidate = heapq.heappop(self.queue)
+            if self.choice.past(bound):
+                self.parked.append(candidate)
+                if self.choice.floor == self.floor:
+                    return  # every candidate left is bounded as high, none with a smaller margin than 1
+                continue
+            refined = self._refined(candidate)
+            if refined > bound:  # what the search learnt since it was queued bounds it tighter: queued again
+                heapq.heappush(self.queue, (refined, next(self.order), candidate))
+            elif self.choice.past(bound, _margin(candidate, world)):
+                self.parked.append(candidate)
+            else:
+                plans = self._plans(candidate)
+                for plan in plans or ():
+                    self._offered(candidate, plan)
+                if plans is not None and candidate.kind in (Kind.SPLIT, Kind.PROGRAM):
+                    self._follow(candidate, plans)
+            chosen = self.choice.chosen
+            if chosen is not None and simulated(chosen) and _structure(chosen) not in self.ordered:
+                self.ordered.add(_structure(chosen))
+                for order in other_orders(self.search, chosen):
+                    self._push(order)
+
+    def _refined(self, c: Candidate) -> float:
+        """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
+        times the lowest ratio of the two seen (:attr:`.choice.Choice.floor`), so a draft is queued by that (a
+        gathered one by its closed form, its prediction); an interleaving saves at most ``1 - 1/V`` of its
+        plain plan's fill and drain, so a split is queued by the best its interleavings could do."""
+        floor = self.choice.floor
+        if c.kind is Kind.SIMULATED:
+            return self.choice.simulation_bound_ms(c.plan)
+        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
+            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
+            return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
+        if c.draft is not None:
+            return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
+        if c.kind is Kind.INTERLEAVED:
+            return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
+        return c.bound_ms
+
+    def _best_case_ms(self, plain: Plan, degree: int) -> float:
+        """``plain``'s closed form less what interleaving it at ``degree`` could save: its fill and drain
+        made ``degree`` times shorter."""
+        base = self._base(plain)
+        return base.iteration_ms - base.fill_ms * (1 - 1 / degree)
+
+    def _plans(self, c: Candidate) -> list[Plan] | None:
+        """The plans ``c`` gives, made to fit; None where it was only drafted and queued again."""
+        search, choice = self.search, self.choice
+        if c.kind in (Kind.SPLIT, Kind.GATHERED, Kind.INTERLEAVED) and c.draft is None:
+            draft = self._draft(c)
+            if draft is not None:  # queued again, bounded by the draft's closed form (:meth:`_refined`)
+                self._push(replace(c, draft=draft))
+                return None
+            if c.kind is not Kind.SPLIT:
+                return []
+        if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
+            return heuristic_split(search, c.layout, c.microbatch_size)
+        if c.kind is Kind.GATHERED:
+            return gathered_fit(search, c.draft)
+        if c.kind is Kind.INTERLEAVED:
+            return self._interleaved(c)
+        if c.kind is Kind.PROGRAM:
+            if choice.chosen is not None and self.solves >= search.options.max_programs:
+                return []
+            plan, solved = program_split(search, c.layout, c.microbatch_size, c.plan)
+            self.solves += solved
+            if self.programs is not None:
+                self.programs.add(ProgramRun(
+                    len(c.layout), c.microbatch_size, bool(plan and plan.stages[0].recompute),
+                    c.plan and c.plan.predicted.iteration_ms, c.plan is not None, plan and plan.predicted.iteration_ms,
+                    choice.chosen and choice.chosen.predicted.iteration_ms,
+                ))
+            return [plan] if plan else []
+        if c.kind is Kind.BASELINE:
+            plan = c.baseline()
+            return [plan] if plan else []
+        choice.simulate(c.plan)
+        return []
+
+    def _draft(self, c: Candidate) -> Plan | None:
+        """``c``'s plan before it is made to fit, priced in the closed form."""
+        if c.kind is Kind.SPLIT:
+            plan = split_draft(self.search, c.layout, c.microbatch_size)
+            return plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
+        if c.kind is Kind.GATHERED:
+            return gathered_draft(self.search, c.layout, c.microbatch_size)
+        draft = interleaved_draft(self.search, c.plan, c.interleave)
+        base_ms, ms = self._base(c.plan).iteration_ms, draft.predicted.iteration_ms
+        crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
+        self.refusals.setdefault(_structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
+        return draft
+
+    def _interleaved(self, c: Candidate) -> list[Plan]:
+        """An interleaved draft made to fit: the moves of its remedies only while its closed form, times the
+        floor of the simulation, could still change the choice; its memory is paid from the budget where
+        pricing it records programs (a shape not recorded yet: layers moved or offloaded record none)."""
+
+        def past(plan: Plan) -> bool:
+            work = 0 if programs_recorded(self.search.ctx, plan) else work_of(plan)
+            estimate_ms = plan.predicted.iteration_ms * self.choice.floor
+            if work > self.choice.budget or self.choice.past(estimate_ms, 1 - INTERLEAVE_MARGIN):
+                return True
+            self.choice.budget -= work
+            return False
+
+        if past(c.draft):
+            return []
+        return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(_structure(c.plan), []))
+
+    def _base(self, plan: Plan):
+        """``plan``'s closed form without memory, priced once."""
+        if id(plan) not in self.bases:
+            self.bases[id(plan)] = plan_cost(self.search.ctx, plan, memory=False)
+        return self.bases[id(plan)]
+
+    def _offered(self, candidate: Candidate, plan: Plan) -> None:
+        self.choice.offer(plan, simulated_only=plan.interleave > 1)
+        if candidate.kind is Kind.BASELINE:  # simulated at once: no plan slower than a baseline in its prediction
+            self.choice.simulate(plan)
+        elif simulable(plan):
+            self._push(Candidate(max(candidate.bound_ms, self.choice.simulation_bound_ms(plan)), Kind.SIMULATED, plan=plan))
+
+    def _follow(self, candidate: Candidate, plans: list[Plan]) -> None:
+        """Queue what a split's plans open (:func:`.space.follow_ups`): the one without offload (None: only
+        offload fits, or nothing). A pipeline gathered per microbatch is tried only where that is None: its
+        prediction is the closed form, which misses what a slow link between stages costs the pipeline (the
+        simulation does not play the gathers)."""
+        main = plans[-1] if plans and not any(s.offload_activations for s in plans[-1].stages) else None
+        remedied = main is None  # only offload fits, or nothing: gathering per microbatch is the other remedy
+        if main is None and candidate.kind is Kind.SPLIT:  # the program may find a split that fits
+            self._push(replace(candidate, kind=Kind.PROGRAM))
+        programs_left = self.solves < self.search.options.max_programs
+        for follow_up in follow_ups(self.search, candidate, main, remedied, programs_left):
+            self._push(follow_up)
+
+    def result(self, started: float) -> Plan:
+        search, choice = self.search, self.choice
+        choice.settle()
+        best = choice.chosen
+        if best is None:
+            raise infeasible_error(search.ctx, list(search.layouts), list(search.sizes), search.schedule, search.global_batch_size, search.options)
+        found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
+        record = SolverRecord(
+            SOLVER_NAME, f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated",
+            best.solver.objective_ms,
+        )
+        notes = list(search.notes)
+        baseline = next((n.removeprefix("baseline: ") for n in best.notes if n.startswith("baseline: ")), None)
+        if baseline:
+            notes.append(f"a baseline's plan ({baseline}): no candidate of the search beat it")
+        if any(s.gather_per_microbatch for s in best.stages):
+            rounds = max(max(s.microbatches_per_rank) for s in best.stages)
+            notes.append(f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
+                         f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
+        notes += [n for n in (choice.idle_note(search.gpu_type), self._interleave_note(best), self._prediction_note(best)) if n]
+        return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=tuple(notes))
+
+    def _interleave_note(self, best: Plan) -> str | None:
+        """What interleaving gained and what made it fit, or why the interleavings the search tried lost."""
+        alike = lambda p: p.idle_ranks == best.idle_ranks  # noqa: E731
+        plain = self.choice.best(lambda p: p.interleave == 1 and alike(p))
+        woven = self.choice.best(lambda p: p.interleave > 1 and alike(p))
+        if plain is None or (woven is None and not self.refusals.get(_structure(plain))):
+            return None
+        plain_ms = plain.predicted.iteration_ms
+        if best.interleave > 1:
+            counts = [sum(best.stages[s].num_layers for s in best.stages_of_group(g)) for g in range(best.num_groups)]
+            offloading = [g for g, s in enumerate(best.rank_groups) if s.offload_activations]
+            fitted = f"; offloading activations on groups {offloading}" if offloading else ""
+            return (
+                f"interleaved x{best.interleave}: each group of ranks holds {best.interleave} layer chunks (layers "
+                f"{counts}{fitted}); the engine's programs, simulated, {1 - best.predicted.iteration_ms / plain_ms:.1%} "
+                f"faster than the fastest plan without ({best.predicted.iteration_ms:.1f} against {plain_ms:.1f} ms)"
+            )
+        tried = list(dict.fromkeys(self.refusals.get(_structure(plain), [])))
+        if woven is not None:
+            how = "simulated" if woven.predicted.closed_form_ms is not None else "in the closed form"
+            tried.insert(0, f"the fastest priced, x{woven.interleave}, {woven.predicted.iteration_ms:.1f} ms {how}")
+        return f"not interleaved (each must beat {plain_ms:.1f} ms, the plan's time, by {INTERLEAVE_MARGIN:.1%}): {'; '.join(tried)}"
+
+    def _prediction_note(self, plan: Plan) -> str:
+        """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
+        choice = self.choice
+        simulated = f"{choice.simulated} of {len(choice.pool)} plans the search priced were simulated ({choice.simulated_work:,} units of 2 V M R)"
+        if plan.predicted.closed_form_ms is None:
+            why = "its stages gather parameters per microbatch, which the simulation does not play" if not simulable(plan) else (
+                f"simulating its programs (2 V M R = {work_of(plan):,}) would take more than the search's budget left"
+            )
+            return f"predicted by the cost model's closed form: {why}; {simulated}"
+        closed, ms = plan.predicted.closed_form_ms, plan.predicted.iteration_ms
+        if not simulable(plan):
+            return (f"predicted by the closed form ({closed:.1f} ms) times what the simulation of the same pipeline "
+                    f"without gathers says of its closed form: {ms:.1f} ms; {simulated}")
+        return (
+            f"predicted by the simulation of the engine's programs: {ms:.1f} ms; the closed form says {closed:.1f} ms "
+            f"({closed / ms - 1:+.1%}); {simulated}"
+        )
+
+
+__all__ = ["ProgramLog", "ProgramRun", "all_baselines", "make_plan"]
