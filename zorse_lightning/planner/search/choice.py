@@ -4,7 +4,7 @@ Every plan is first priced in the cost model's closed form (no programs), but th
 by the event simulation of the engine's own programs (:mod:`..cost.simulate`), and the two disagree (0.55x to
 3.9x on the shipped clusters, a slow link between stages most). So the plan held is simulated before it
 prunes anything (:meth:`Choice.settle`), and the loop simulates the others whose closed form, times the
-lowest ratio of simulation to closed form seen (:attr:`Choice.floor`), could still win. A plan beyond the
+lowest ratio of simulation to closed form seen (:meth:`Choice.floor`), could still win. A plan beyond the
 search's one budget of work, or whose stages gather parameters per microbatch (which the simulation does
 not play), keeps its closed form: :func:`price` is the one pricing of every plan and baseline.
 
@@ -38,9 +38,16 @@ lowest, over the candidates of every shipped cluster and reference model;
 simulation, so this measured floor stands in for one when the search decides which plans to simulate."""
 
 
+PLAY_OVERHEAD = 2**12
+"""What any simulation or recording costs beyond its ``2 V M R`` (building the programs, the events, the
+prediction), in the same units: an 8-GPU plan of 384 units took 40-60 ms to simulate here, a 1024-GPU plan of
+2^20 units about 8 s (8 us a unit), so a fixed 30 ms or so."""
+
+
 def work_of(plan: Plan) -> int:
-    """``2 V M R``: what simulating ``plan`` (or recording its programs) costs, in units of about 8 us here."""
-    return 2 * plan.interleave * plan.num_microbatches * sum(len(group.ranks) for group in plan.rank_groups)
+    """What simulating ``plan`` (or recording its programs) costs, in units of about 8 us here: ``2 V M R``
+    (its actions times the ranks each step of the play looks at) and the fixed :data:`PLAY_OVERHEAD`."""
+    return 2 * plan.interleave * plan.num_microbatches * sum(len(group.ranks) for group in plan.rank_groups) + PLAY_OVERHEAD
 
 
 def simulated(plan: Plan) -> bool:
@@ -86,23 +93,20 @@ class Choice:
     simulated: int = 0
     """Plans simulated so far, and their work (``2 V M R`` summed)."""
     simulated_work: int = 0
-    floor: float = 1 / CLOSED_FORM_SPREAD
-    """The lowest ratio of a plan's simulation to its closed form seen so far, at most 1 and never below
-    ``1 / CLOSED_FORM_SPREAD``: how far below its closed form a plan not simulated may yet come."""
+    floors: dict[bool, float] = field(default_factory=dict)
+    """For plain plans (False) and interleaved ones (True): the lowest ratio of a plan's simulation to its
+    closed form seen so far, at most 1 and never below ``1 / CLOSED_FORM_SPREAD``: how far below its closed
+    form a plan of that kind not simulated may yet come (the two kinds part: interleaved plans came 2-4 %
+    closer to their closed form than plain ones on the same clusters)."""
     simulated_ids: set[int] = field(default_factory=set)
     """The ``id`` of every plan offered that has been simulated since."""
 
-    def offer(self, plan: Plan | None, simulated_only: bool = False) -> Plan | None:
-        """Keep ``plan`` (None: nothing fits); returns it. ``simulated_only``: kept only where it can be
-        simulated at once (an interleaved plan must win in the simulation: :data:`INTERLEAVE_MARGIN`)."""
-        if simulated_only and not (plan is not None and self.ctx is not None and simulable(plan) and work_of(plan) <= self.budget):
-            return None
+    def offer(self, plan: Plan | None) -> Plan | None:
+        """Keep ``plan`` (None: nothing fits); returns it."""
         if plan is not None:
             self.pool.append(plan)
             if self.chosen is None or _rank_ms(plan) < _rank_ms(self.chosen):
                 self.chosen = plan
-            if simulated_only:
-                self.simulate(plan)
         return plan
 
     def simulate(self, plan: Plan) -> bool:
@@ -114,7 +118,8 @@ class Choice:
         self.pool[index] = price(self.ctx, plan)
         self.simulated_ids.add(id(plan))
         ratio = _ms(self.pool[index]) / self.pool[index].predicted.closed_form_ms
-        self.floor = max(1 / CLOSED_FORM_SPREAD, min(1.0, ratio if self.simulated == 0 else self.floor, ratio))
+        kind = plan.interleave > 1
+        self.floors[kind] = max(1 / CLOSED_FORM_SPREAD, min(1.0, self.floors.get(kind, 1.0), ratio))
         self.budget -= work_of(plan)
         self.simulated += 1
         self.simulated_work += work_of(plan)
@@ -123,9 +128,15 @@ class Choice:
 
     def settle(self) -> None:
         """Simulate the plan held until the one held is simulated (or cannot be): a plan the closed form
-        ranks ahead of one simulated is simulated in turn, so pruning is against a simulated time."""
-        while self.chosen is not None and self.simulate(self.chosen):
-            pass
+        ranks ahead of one simulated is simulated in turn, so pruning is against a simulated time. An
+        interleaved plan the budget cannot simulate is dropped: it must win in the simulation."""
+        while self.chosen is not None and not simulated(self.chosen):
+            if self.simulate(self.chosen):
+                continue
+            if self.ctx is None or self.chosen.interleave == 1:
+                return
+            self.pool.remove(self.chosen)
+            self.chosen = min(self.pool, key=_rank_ms, default=None)
 
     def threshold_ms(self, margin: float = 1.0) -> float:
         """A plan that cannot beat this, once divided by its ``margin`` (:func:`handicap`), cannot change
@@ -143,9 +154,15 @@ class Choice:
         """The fastest plan of the pool for which ``keep`` holds."""
         return min((p for p in self.pool if keep(p)), key=_ms, default=None)
 
+    def floor(self, interleaved: bool | None = None) -> float:
+        """The floor of that kind of plan (:attr:`floors`; None: of either), the other's until one is seen,
+        and ``1 / CLOSED_FORM_SPREAD`` until a plan is simulated."""
+        seen = [f for kind, f in self.floors.items() if interleaved is None or kind == interleaved] or list(self.floors.values())
+        return min(seen, default=1 / CLOSED_FORM_SPREAD)
+
     def simulation_bound_ms(self, plan: Plan) -> float:
-        """How low the simulation of ``plan`` may come: its closed form times :attr:`floor`."""
-        return math.inf if simulated(plan) or id(plan) in self.simulated_ids else _ms(plan) * self.floor
+        """How low the simulation of ``plan`` may come: its closed form times its kind's :meth:`floor`."""
+        return math.inf if simulated(plan) or id(plan) in self.simulated_ids else _ms(plan) * self.floor(plan.interleave > 1)
 
     def idle_note(self, gpu_type_of) -> str | None:
         """Why the chosen plan leaves GPUs idle (None when it uses every GPU)."""

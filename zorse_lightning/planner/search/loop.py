@@ -109,9 +109,10 @@ class _Loop:
         self.seen: set = set()
         self.order = itertools.count()
         self.solves = 0
-        self.bases: dict[int, object] = {}
-        self.floor = self.choice.floor
-        """The floor the keys in the queue were scaled by: where the choice's falls, every key is refreshed."""
+        self.bases: dict[tuple, object] = {}
+        self.floors = dict(self.choice.floors)
+        """The floors the keys in the queue were scaled by: where one of the choice's falls, every key is
+        refreshed."""
         self.parked: list[Candidate] = []
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
@@ -141,8 +142,8 @@ class _Loop:
     def run(self) -> None:
         world = self.search.ctx.inventory.world_size
         while self.queue:
-            if self.choice.floor < self.floor:  # keys scaled by the floor are too high now: every key again
-                self.floor = self.choice.floor
+            if self.choice.floors != self.floors:  # keys scaled by a floor that fell are too high: every key again
+                self.floors = dict(self.choice.floors)
                 self.queue = [(self._refined(c), order, c) for _, order, c in self.queue] + [
                     (self._refined(c), next(self.order), c) for c in self.parked]
                 self.parked = []
@@ -150,7 +151,7 @@ class _Loop:
             bound, _, candidate = heapq.heappop(self.queue)
             if self.choice.past(bound):
                 self.parked.append(candidate)
-                if self.choice.floor == self.floor:
+                if self.choice.floors == self.floors:
                     return  # every candidate left is bounded as high, none with a smaller margin than 1
                 continue
             refined = self._refined(candidate)
@@ -172,10 +173,10 @@ class _Loop:
 
     def _refined(self, c: Candidate) -> float:
         """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
-        times the lowest ratio of the two seen (:attr:`.choice.Choice.floor`), so a draft is queued by that (a
+        times the lowest ratio of the two seen (:meth:`.choice.Choice.floor`), so a draft is queued by that (a
         gathered one by its closed form, its prediction); an interleaving saves at most ``1 - 1/V`` of its
         plain plan's fill and drain, so a split is queued by the best its interleavings could do."""
-        floor = self.choice.floor
+        floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
@@ -247,7 +248,7 @@ class _Loop:
 
         def past(plan: Plan) -> bool:
             work = 0 if programs_recorded(self.search.ctx, plan) else work_of(plan)
-            estimate_ms = plan.predicted.iteration_ms * self.choice.floor
+            estimate_ms = plan.predicted.iteration_ms * self.choice.floor(True)
             if work > self.choice.budget or self.choice.past(estimate_ms, 1 - INTERLEAVE_MARGIN):
                 return True
             self.choice.budget -= work
@@ -258,13 +259,15 @@ class _Loop:
         return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(_structure(c.plan), []))
 
     def _base(self, plan: Plan):
-        """``plan``'s closed form without memory, priced once."""
-        if id(plan) not in self.bases:
-            self.bases[id(plan)] = plan_cost(self.search.ctx, plan, memory=False)
-        return self.bases[id(plan)]
+        """``plan``'s closed form without memory, priced once per structure (a split's draft and its fitted
+        plan share their pipeline; only what follows the last backward may differ)."""
+        key = _structure(plan)
+        if key not in self.bases:
+            self.bases[key] = plan_cost(self.search.ctx, plan, memory=False)
+        return self.bases[key]
 
     def _offered(self, candidate: Candidate, plan: Plan) -> None:
-        self.choice.offer(plan, simulated_only=plan.interleave > 1)
+        self.choice.offer(plan)
         if candidate.kind is Kind.BASELINE:  # simulated at once: no plan slower than a baseline in its prediction
             self.choice.simulate(plan)
         elif simulable(plan):

@@ -72,7 +72,10 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return self.kind, self.layout, self.microbatch_size, self.interleave, self.plan and id(self.plan), self.draft and id(self.draft)
+        return (
+            self.kind, self.layout, self.microbatch_size, self.interleave,
+            *(thing and id(thing) for thing in (self.plan, self.draft, self.baseline)),
+        )
 
 
 @dataclass(frozen=True)
