@@ -98,8 +98,8 @@ class Choice:
     closed form seen so far, at most 1 and never below ``1 / CLOSED_FORM_SPREAD``: how far below its closed
     form a plan of that kind not simulated may yet come (the two kinds part: interleaved plans came 2-4 %
     closer to their closed form than plain ones on the same clusters)."""
-    simulated_ids: set[int] = field(default_factory=set)
-    """The ``id`` of every plan offered that has been simulated since."""
+    simulated_since: dict[int, Plan] = field(default_factory=dict)
+    """Every plan offered that has been simulated since, by ``id`` (held, so that no id is reused)."""
 
     def offer(self, plan: Plan | None) -> Plan | None:
         """Keep ``plan`` (None: nothing fits); returns it."""
@@ -116,7 +116,7 @@ class Choice:
         if self.ctx is None or index is None or simulated(plan) or not simulable(plan) or work_of(plan) > self.budget:
             return False
         self.pool[index] = price(self.ctx, plan)
-        self.simulated_ids.add(id(plan))
+        self.simulated_since[id(plan)] = plan
         ratio = _ms(self.pool[index]) / self.pool[index].predicted.closed_form_ms
         kind = plan.interleave > 1
         self.floors[kind] = max(1 / CLOSED_FORM_SPREAD, min(1.0, self.floors.get(kind, 1.0), ratio))
@@ -162,7 +162,7 @@ class Choice:
 
     def simulation_bound_ms(self, plan: Plan) -> float:
         """How low the simulation of ``plan`` may come: its closed form times its kind's :meth:`floor`."""
-        return math.inf if simulated(plan) or id(plan) in self.simulated_ids else _ms(plan) * self.floor(plan.interleave > 1)
+        return math.inf if simulated(plan) or id(plan) in self.simulated_since else _ms(plan) * self.floor(plan.interleave > 1)
 
     def idle_note(self, gpu_type_of) -> str | None:
         """Why the chosen plan leaves GPUs idle (None when it uses every GPU)."""

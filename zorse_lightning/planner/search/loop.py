@@ -135,8 +135,9 @@ class _Loop:
                 yield ranks, build, False
 
     def _push(self, candidate: Candidate) -> None:
-        if candidate.key not in self.seen:
-            self.seen.add(candidate.key)
+        key = candidate.key
+        if key is None or key not in self.seen:
+            self.seen.add(key)
             heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
 
     def run(self) -> None:

@@ -71,11 +71,12 @@ class Candidate:
     drafted first: fitting them costs more)."""
 
     @property
-    def key(self) -> tuple:
-        return (
-            self.kind, self.layout, self.microbatch_size, self.interleave,
-            *(thing and id(thing) for thing in (self.plan, self.draft, self.baseline)),
-        )
+    def key(self) -> tuple | None:
+        """What makes two candidates the same (the loop queues one); None for a candidate made from a plan,
+        a draft or a baseline, which is made once."""
+        if self.plan is not None or self.draft is not None or self.baseline is not None:
+            return None
+        return self.kind, self.layout, self.microbatch_size, self.interleave
 
 
 @dataclass(frozen=True)
