@@ -282,7 +282,10 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         plan = None
     found_baselines = all_baselines(inventory, profile, batch, options)
     baselines = {name: found and found.predicted.iteration_ms for name, found in found_baselines.items()}
-    idle_baselines = tuple(name for name, found in found_baselines.items() if found is not None and found.idle_ranks)
+    idle_baselines = tuple(  # the fastest type alone is planned on its sub-cluster: the rest of this one idles
+        name for name, found in found_baselines.items()
+        if found is not None and (found.idle_ranks or found.world_size < inventory.world_size)
+    )
     shape = {} if plan is None else {
         "stages": len(plan.stages),
         "idle_gpus": len(plan.idle_ranks),

@@ -184,7 +184,9 @@ def test_search_does_not_gather_per_microbatch_when_something_else_fits() -> Non
 
 
 @pytest.mark.parametrize("cluster", ["cpu_sim4_small_memory", "a10g_l4_t4", "mix32_4types"])
-def test_multi_stage_plans_never_gather_per_microbatch(cluster: str) -> None:
+def test_pipelines_that_fit_unsharded_do_not_gather_per_microbatch(cluster: str) -> None:
+    """Gathering per microbatch is the remedy of last resort for a pipeline (the search proposes it where a
+    layout's split fits only with offload, or not at all): where plain splits fit, none is gathered."""
     inventory = load_cluster(cluster)
     types = tuple(t.name for t in inventory.gpu_types)
     # On the emulated cluster, blocks big enough that the engine's time per action does not outweigh a pipeline.
