@@ -30,13 +30,12 @@ from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.schedule.plan import Plan
 
 WORK_PER_GPU = 2**15
-"""Work (``2 V M R``: the actions of every program times the ranks each step looks at) the search may spend
-recording programs and simulating plans, per GPU of the cluster: beyond it plans keep their closed form.
-Per GPU because the planning-time goals grow with the cluster (2 s at 32 GPUs, 60 s at 1024). At ``2^13``
-the loop lost the peers' structures on four machines of four types (Llama 7B: 9258 against 9149 ms; Llama
-3B: 4993 against 4765 ms) and planned 8 GPUs in 7.5 s; at ``2^15`` it finds them, and 8 GPUs take 16 s
-(``bench/plan_scaling.py``, loaded machine): the floor (:attr:`.choice.Choice.floor`) lets more plans be
-simulated than win."""
+"""Work (:func:`.choice.work_of`: ``2 V M R`` and a fixed cost per play) the search may spend recording
+programs and simulating plans, per GPU of the cluster: beyond it plans keep their closed form. Per GPU
+because the planning-time goals grow with the cluster (2 s at 32 GPUs, 60 s at 1024). At ``2^13`` the loop
+lost the peers' structures on four machines of four types (Llama 7B: 9258 against 9149 ms; Llama 3B: 4993
+against 4765 ms); at ``2^15`` it finds them (``bench/plan_scaling.py``: 8 GPUs 6.2 s, 32 GPUs 2.3 s,
+1024 GPUs 60 s of CPU)."""
 MOST_ORDERED_GROUPS = 4
 """Stage groups up to which every order of a leading plan's groups is a candidate (24 orders at four, 120 at
 five: each priced at every microbatch size). Where the links between groups are alike the best order is
