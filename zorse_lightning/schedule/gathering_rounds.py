@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind
+from zorse_lightning.schedule.actions import Action
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch
 from zorse_lightning.schedule.plan import Plan
 

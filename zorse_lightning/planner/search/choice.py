@@ -66,9 +66,14 @@ def price(ctx: CostContext, plan: Plan) -> Plan:
     return with_simulated_prediction(ctx, plan) if simulable(plan) else plan
 
 
-def handicap(plan: Plan) -> float:
+def margin(idle: bool, interleaved: bool) -> float:
     """The factor a plan's time is divided by when plans are compared: the margins it must win by."""
-    return (1 - IDLE_MARGIN) ** bool(plan.idle_ranks) * (1 - INTERLEAVE_MARGIN) ** (plan.interleave > 1)
+    return (1 - IDLE_MARGIN) ** idle * (1 - INTERLEAVE_MARGIN) ** interleaved
+
+
+def handicap(plan: Plan) -> float:
+    """:func:`margin` of ``plan``."""
+    return margin(bool(plan.idle_ranks), plan.interleave > 1)
 
 
 def _ms(plan: Plan) -> float:

@@ -28,7 +28,7 @@ from zorse_lightning.planner.cost.evaluate import plan_cost, prediction, program
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning import capabilities
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.search.choice import IDLE_MARGIN, INTERLEAVE_MARGIN, Choice, handicap, price, simulable, simulated, work_of
+from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, work_of
 from zorse_lightning.planner.search.diagnose import infeasible_error
 from zorse_lightning.planner.search.fit import (
     gathered_draft, gathered_fit, heuristic_split, interleaved_draft, interleaved_fit, program_split, split_draft,
@@ -95,8 +95,7 @@ def _margin(candidate: Candidate, world_size: int) -> float:
     """The handicap of every plan ``candidate`` can give (:func:`.choice.handicap`)."""
     if candidate.kind is Kind.SIMULATED:
         return handicap(candidate.plan)
-    idle = sum(map(len, candidate.layout)) < world_size
-    return (1 - IDLE_MARGIN) ** idle * (1 - INTERLEAVE_MARGIN) ** (candidate.interleave > 1)
+    return margin(sum(map(len, candidate.layout)) < world_size, candidate.interleave > 1)
 
 
 class _Loop:
