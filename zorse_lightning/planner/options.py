@@ -64,6 +64,10 @@ class PlannerOptions:
     (interleaving shortens the pipeline's fill and drain about V-fold at V times the activation
     transfers and more activations in flight: a dimension of the search, :mod:`.search.space`); 1: never interleave.
     Offered only where the engine runs interleaved plans (``capabilities.SUPPORTS_INTERLEAVING``)."""
+    max_tp: int = 8
+    """Most GPUs of a tensor-parallel group the planner tries (a stage's blocks split over GPUs of one type on
+    one machine, at a degree the model's blocks admit: ``ModelProfile.tensor_parallel``); 1: never (the best
+    plan without tensor parallelism, to compare against)."""
     stage_layout: tuple[tuple[int, ...], ...] | None = None
     """Pin: the stages in pipeline order, each a tuple of global ranks, every rank in exactly one."""
     layer_counts: tuple[int, ...] | None = None
@@ -94,6 +98,7 @@ class PlannerOptions:
             )
         _check_count("max_stages", self.max_stages, 1, "1: data parallel only; give e.g. 16")
         _check_count("max_programs", self.max_programs, 0, "0: heuristic splits only; give e.g. 8")
+        _check_count("max_tp", self.max_tp, 1, "GPUs per tensor-parallel group; 1: no tensor parallelism; give e.g. 8")
         _check_count("max_interleave", self.max_interleave, 1, "layer chunks per group of ranks; 1: no interleaving; give e.g. 4")
         if self.stage_layout is not None:
             ranks = _integers("stage_layout", [r for s in self.stage_layout for r in s], "ranks", minimum=0)
