@@ -23,7 +23,8 @@ exchanges activations with TP rank i of the next stage's replica
 (:meth:`StagePlan.peer_of_microbatch`).
 
 Format versions: 2 added ``tensor_parallel``; a version-1 file reads as a plan
-without tensor parallelism.
+without tensor parallelism. The rules a plan must keep and what reading one refuses
+are :mod:`.plan_validation`.
 """
 
 from __future__ import annotations
@@ -34,17 +35,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from zorse_lightning.capabilities import (
-    SUPPORTED_SCHEDULES,
-    SUPPORTED_SHARDING,
-    Schedule,
-    Sharding,
-)
+from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.errors import PlanningError
-
-PLAN_FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
-"""Versions :meth:`Plan.from_dict` reads: each added fields with defaults that keep older plans' meaning."""
+from zorse_lightning.schedule.plan_validation import (
+    PLAN_FORMAT_VERSION,
+    check_format_version,
+    check_known_keys,
+    plan_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -166,48 +164,6 @@ class StagePlan:
         return f"{self.sharding.value}/microbatch" if self.gather_per_microbatch else self.sharding.value
 
 
-
-def _whole_degree(stage: StagePlan) -> bool:
-    """Whether the stage's TP degree is a whole number >= 1 dividing its ranks (else nothing else can be read)."""
-    t = stage.tensor_parallel
-    return not isinstance(t, bool) and isinstance(t, int) and t >= 1 and len(stage.ranks) % t == 0
-
-
-def _tensor_parallel_problems(where: str, stage: StagePlan):
-    """A stage's TP groups: a whole degree dividing its ranks, each group on one machine, of one GPU type, its
-    ranks running the same microbatches (and holding the same share of sharded state)."""
-    t = stage.tensor_parallel
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        yield f"{where}: tensor_parallel={t!r} must be a whole number >= 1 (1: no tensor parallelism)"
-        return
-    if len(stage.ranks) % t:
-        yield (
-            f"{where}: tensor_parallel={t} does not divide its {len(stage.ranks)} ranks {list(stage.ranks)}; list "
-            f"whole TP groups of {t} ranks, replica after replica, or choose a degree dividing {len(stage.ranks)}"
-        )
-        return
-    if t == 1 or len({len(stage.ranks), len(stage.machines), len(stage.gpu_types), len(stage.microbatches_per_rank)}) > 1:
-        return
-    per_rank = ("machines", stage.machines), ("gpu_types", stage.gpu_types), ("microbatches_per_rank", stage.microbatches_per_rank)
-    rules = {
-        "machines": "a TP group exchanges every block's activations, so it lives on one machine",
-        "gpu_types": "a TP group's ranks wait for each other at every block, so they are of one GPU type",
-        "microbatches_per_rank": "the ranks of a TP group run their replica's microbatches together",
-    }
-    if stage.shard_fractions and len(stage.shard_fractions) == len(stage.ranks):
-        per_rank += (("shard_fractions", stage.shard_fractions),)
-        rules["shard_fractions"] = "the ranks of a TP group hold the same share of their replica's sharded state"
-    for start in range(0, len(stage.ranks), t):
-        group = list(stage.ranks[start : start + t])
-        for name, values in per_rank:
-            mine = values[start : start + t]
-            if len(set(mine)) > 1:
-                yield (
-                    f"{where}: TP group {group} (tensor_parallel={t}) has {name} {list(mine)}: {rules[name]}; list ranks "
-                    f"replica by replica so that each run of {t} ranks shares its {name}, or lower tensor_parallel"
-                )
-
-
 @dataclass(frozen=True)
 class Prediction:
     iteration_ms: float
@@ -263,89 +219,12 @@ class Plan:
     # -- invariants ---------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Structural checks; memory against a cluster is checked by the planner's cost model."""
-        problems = list(self._problems())
+        """Every structural problem at once (:func:`~.plan_validation.plan_problems`); memory against a cluster is
+        checked by the planner's cost model."""
+        problems = list(plan_problems(self))
         if problems:
             raise PlanningError("invalid plan: " + "; ".join(problems))
 
-    def _problems(self):
-        if self.schedule not in SUPPORTED_SCHEDULES:
-            yield f"schedule {self.schedule.value!r} is not supported (supported: {[s.value for s in SUPPORTED_SCHEDULES]})"
-        if self.microbatch_size < 1 or self.global_batch_size % self.microbatch_size:
-            yield (
-                f"global_batch_size={self.global_batch_size} is not a multiple of microbatch_size="
-                f"{self.microbatch_size}; choose a microbatch size that divides the global batch"
-            )
-        if not self.stages:
-            yield "a plan needs at least one stage"
-            return
-        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
-            yield f"interleave={self.interleave!r} must be a whole number >= 1 (1: no interleaving)"
-            return
-        if self.interleave > 1:
-            yield from self._interleave_problems()
-        seen = sorted([r for s in self.rank_groups for r in s.ranks] + list(self.idle_ranks))
-        if seen != list(range(self.world_size)):
-            yield f"every rank 0..{self.world_size - 1} must be used exactly once (in a stage or idle), got ranks {seen}"
-        expected_start = 0
-        for index, stage in enumerate(self.stages):
-            where = f"stage {index}"
-            yield from _tensor_parallel_problems(where, stage)
-            if not _whole_degree(stage):
-                expected_start = stage.layers[1]
-                continue
-            if not (len(stage.ranks) == len(stage.gpu_types) == len(stage.machines) == len(stage.microbatches_per_rank)):
-                yield f"{where}: ranks, gpu_types, machines and microbatches_per_rank differ in length"
-            if stage.layers[0] != expected_start or stage.layers[1] <= stage.layers[0]:
-                yield f"{where}: layers {list(stage.layers)} must start at {expected_start} and be non-empty"
-            expected_start = stage.layers[1]
-            if stage.num_microbatches * self.microbatch_size != self.global_batch_size:
-                yield (
-                    f"{where}: microbatches {list(stage.microbatches_per_rank)} x microbatch_size "
-                    f"{self.microbatch_size} != global_batch_size {self.global_batch_size}"
-                )
-            if any(c < 0 for c in stage.microbatches_per_rank):
-                yield f"{where}: negative microbatch count {list(stage.microbatches_per_rank)}"
-            if stage.sharding not in SUPPORTED_SHARDING:
-                yield f"{where}: sharding {stage.sharding.value!r} is not supported yet (supported: {[s.value for s in SUPPORTED_SHARDING]})"
-            if stage.shard_fractions and (
-                len(stage.shard_fractions) != len(stage.ranks)
-                or abs(sum(stage.shard_fractions[:: stage.tensor_parallel]) - 1) > 1e-6
-            ):
-                yield (
-                    f"{where}: shard_fractions {list(stage.shard_fractions)} must give one share per rank, summing to 1 "
-                    f"over the replicas (each TP rank repeats its replica's share)"
-                )
-            if stage.gather_per_microbatch and stage.sharding is not Sharding.FULL:
-                yield f"{where}: gather_per_microbatch needs sharding 'full' (it has {stage.sharding.value!r}); set it false"
-            if stage.gather_per_microbatch and self.interleave > 1:
-                yield (
-                    f"{where}: gather_per_microbatch does not run in an interleaved plan (interleave={self.interleave}): "
-                    f"a group's rounds of gathers would follow the chunks of several stages; use interleave=1 or "
-                    f"gather once per step (gather_per_microbatch false)"
-                )
-        if expected_start != self.num_layers:
-            yield f"layers cover [0, {expected_start}) but the model has {self.num_layers}"
-
-    def _interleave_problems(self):
-        count, degree = len(self.stages), self.interleave
-        if count % degree or count // degree < 2:
-            yield (
-                f"interleave={degree} needs a multiple of {degree} stages (the chunks of at least 2 groups of ranks), "
-                f"got {count}; use interleave=1 or list each group's {degree} chunks"
-            )
-            return
-        groups = count // degree
-        for index in range(groups, count):
-            mine, group = self.stages[index], self.stages[index % groups]
-            differing = [
-                name for name in StagePlan.__dataclass_fields__ if name != "layers" and getattr(mine, name) != getattr(group, name)
-            ]
-            if differing:
-                yield (
-                    f"stage {index} is chunk {index // groups} of group {index % groups} (interleave={degree}) but differs "
-                    f"from stage {index % groups} in {differing}; chunks of a group differ only in their layers"
-                )
     # -- views --------------------------------------------------------------------------
 
     @property
@@ -392,23 +271,18 @@ class Plan:
         """A plan of any readable format version; ``source`` names where it came from (a file) in errors."""
         data = dict(data)
         version = data.pop("format_version", PLAN_FORMAT_VERSION)
-        if version not in READABLE_FORMAT_VERSIONS:
-            raise PlanningError(
-                f"{source} has format_version={version!r}, which this zorse_lightning does not read (it reads "
-                f"{list(READABLE_FORMAT_VERSIONS)}, writes {PLAN_FORMAT_VERSION}); re-run the planner, or upgrade "
-                f"zorse_lightning if the plan comes from a newer one"
-            )
-        _known_keys(cls, data, source, version, "")
+        check_format_version(version, source)
+        check_known_keys(cls, data, source, version, "")
         for index, stage in enumerate(data["stages"]):
-            _known_keys(StagePlan, stage, source, version, f"stages[{index}].")
+            check_known_keys(StagePlan, stage, source, version, f"stages[{index}].")
         data["stages"] = tuple(StagePlan(**s) for s in data["stages"])
         if data.get("predicted") is not None:
             predicted = dict(data["predicted"])
-            _known_keys(Prediction, predicted, source, version, "predicted.")
+            check_known_keys(Prediction, predicted, source, version, "predicted.")
             predicted["memory_gib"] = tuple(predicted["memory_gib"])
             predicted["host_memory_gib"] = tuple(predicted.get("host_memory_gib", ()))
             data["predicted"] = Prediction(**predicted)
-        _known_keys(SolverRecord, data.get("solver", {}), source, version, "solver.")
+        check_known_keys(SolverRecord, data.get("solver", {}), source, version, "solver.")
         data["solver"] = SolverRecord(**data.get("solver", {}))
         return cls(**data)
 
@@ -425,15 +299,3 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text(), source=f"plan file {str(path)!r}")
-
-
-def _known_keys(kind: type, data: dict[str, Any], source: str, version: int, prefix: str) -> None:
-    """Refuse a key ``kind`` does not have (a plan from a newer version, or a typo) by name: a plan read with a
-    field dropped would run something other than what it says."""
-    unknown = sorted(set(data) - set(kind.__dataclass_fields__))
-    if unknown:
-        raise PlanningError(
-            f"{source} (format_version={version}) has {', '.join(prefix + k for k in unknown)}, which plan format "
-            f"{PLAN_FORMAT_VERSION} does not know (its {kind.__name__} has {sorted(kind.__dataclass_fields__)}); "
-            f"correct the key, or upgrade zorse_lightning if the plan comes from a newer one"
-        )
