@@ -19,7 +19,7 @@ from zorse_lightning.schedule.programs import (
 )
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
-from zorse_lightning.schedule.programs import one_f_one_b_warmup
+from zorse_lightning.schedule.one_f_one_b import one_f_one_b_warmup
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 

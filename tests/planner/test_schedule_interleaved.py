@@ -11,7 +11,8 @@ from testing.plans import hand_plan
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
-from zorse_lightning.schedule.programs import ActionKind, build_schedule, one_f_one_b_limit
+from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit
+from zorse_lightning.schedule.programs import ActionKind, build_schedule
 
 
 def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, schedule=Schedule.ONE_F_ONE_B):

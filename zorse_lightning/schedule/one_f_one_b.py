@@ -1,0 +1,219 @@
+"""1F1B programs: each rank's forwards and backwards in one-forward-one-backward order, and how many
+forwards a rank keeps in flight.
+
+Apart from :mod:`.programs` (every schedule's programs, checked and played) because 1F1B's order is not
+written rank by rank but recorded from a step-by-step play of the whole pipeline
+(:func:`one_f_one_b_programs`), and because the planner's memory model counts the same forwards in flight
+(:func:`one_f_one_b_warmup`) that the recorded programs keep to.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from zorse_lightning.errors import PlanningError
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.plan import Plan
+
+
+def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
+    """Forwards a rank of stage ``stage_index`` runs before its first backward under 1F1B.
+
+    Equal single-rank stages need one per later stage (``S - 1 - i``): the
+    classic warm-up. A later stage of ``w_j`` ranks fed by ``w_i`` ranks needs
+    ``ceil(w_j / w_i)`` from each feeder to give every one of its ranks a
+    microbatch; with only one, a narrow stage feeding a wide one kept a single
+    microbatch per later stage in flight and the wide stage's ranks took turns
+    (measured: 4.45 s a step against 1.5 s of compute, 1 rank feeding 3).
+    The engine's schedule (:func:`one_f_one_b_limit`) and the planner's memory
+    model use this one count.
+    """
+    mine = stage_widths[stage_index]
+    return sum(-(-width // mine) for width in stage_widths[stage_index + 1 :])
+
+
+def one_f_one_b_limit(plan: Plan, group: int) -> int:
+    """Forwards a rank of ``group`` may have in flight (not yet backwarded) under 1F1B.
+
+    Without interleaving: the warm-up of :func:`one_f_one_b_warmup` (the planner's
+    memory model) and the one whose backward comes next. Interleaved, Megatron's
+    warm-up, ``2 (G - g - 1) + (V - 1) G`` chunk-forwards for ``G`` equal groups,
+    with each later group counted ``ceil(w_h / w_g)`` times where widths differ
+    (a narrow group feeding a wide one must give each of its ranks work).
+    """
+    widths = tuple(len(stage.replicas) for stage in plan.rank_groups)
+    if plan.interleave == 1:
+        return one_f_one_b_warmup(widths, group) + 1
+    feeds = [-(-width // widths[group]) for width in widths]
+    return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * sum(feeds) + 1
+
+
+def one_f_one_b_programs(
+    plan: Plan, order: tuple[int, ...], strict: bool
+) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    """1F1B programs recorded from a step-by-step play of the pipeline.
+
+    Writing each rank's program on its own (warm-up forwards, then alternate)
+    deadlocks once stages differ in width and shares are uneven: a rank waits for
+    a gradient whose forward is queued behind a rank that waits in turn. So the
+    programs are recorded from a play in unit steps with FIFO channels, the rules
+    :func:`~.programs.play_in_steps` checks: each step every rank runs one action whose inputs are
+    at the head of their channels: a forward while fewer than the limit
+    (:func:`one_f_one_b_limit`) are in flight, else a ready backward: the classic
+    warm-up, then one forward, one backward. Only when no rank can move within
+    the limits do ranks exceed them, so the play, and the engine, cannot deadlock.
+
+    Interleaved, a rank prefers its chunk-forwards and chunk-backwards in Megatron's
+    order: ``G`` microbatches through one chunk, then the same ``G`` through the next
+    (backwards from the last chunk), then the next ``G`` microbatches. ``strict``: it
+    keeps to that order (waits for its next action's input), which for equal groups
+    gives Megatron's ``2 M V + 2 (G - 1)`` chunk-steps exactly; else a ready action runs
+    ahead of one still waiting, which suits uneven widths and shares better but, on
+    equal groups with more than ``2 G`` microbatches, fills the first group's flight with
+    its first chunk and stalls the later ones (``4 x 16`` microbatches at ``V = 4``: 169
+    steps for 134). :func:`~.programs.rank_programs` keeps the shorter of the two plays.
+
+    Returns the programs and the play's length in unit steps.
+    """
+    last_stage = len(plan.stages) - 1
+    state = {}
+    for group, stage in enumerate(plan.rank_groups):
+        chunks = plan.stages_of_group(group)
+        for rank, share in stage.microbatch_ranges().items():
+            mine = [j for j in order if j in share]
+            state[rank] = _RankPlay(chunks, mine, plan.num_groups, one_f_one_b_limit(plan, group), last_stage)
+    channels: dict[tuple[int, int], deque[Message]] = {}
+    left = 2 * sum(len(play.pending) for play in state.values())
+    """Actions still to run: each forward pending, and its backward."""
+
+    def choose(play: _RankPlay, relaxed: bool) -> Action | None:
+        in_order = strict and not relaxed
+        backward, forward = play.ready_backward(in_order), play.ready_forward(in_order)
+        if forward is not None and (len(play.in_flight) < play.limit or (relaxed and backward is None)):
+            return forward
+        return backward
+
+    steps = 0
+    while left:
+        steps += 1
+        chosen = {rank: choose(play, relaxed=False) for rank, play in state.items()}
+        if all(action is None for action in chosen.values()):
+            chosen = {rank: choose(play, relaxed=True) for rank, play in state.items()}
+        if all(action is None for action in chosen.values()):
+            raise PlanningError("no 1F1B order exists for this plan; use schedule=gpipe")
+        sends: list[Message] = []
+        for rank, action in chosen.items():
+            if action is not None:
+                receives, out = messages_of(plan, rank, action)
+                for message in receives:
+                    channel = channels[(message.src, message.dst)]
+                    channel.popleft()
+                    if channel:
+                        state[rank].arrive(channel[0])
+                sends += out
+                state[rank].run(action)
+                left -= 1
+        for message in sends:
+            channel = channels.setdefault((message.src, message.dst), deque())
+            channel.append(message)
+            if len(channel) == 1:
+                state[message.dst].arrive(message)
+    programs = tuple(tuple(state[rank].program) if rank in state else () for rank in range(plan.world_size))  # idle: ()
+    return programs, steps
+
+
+@dataclass
+class _RankPlay:
+    """One rank's progress during :func:`one_f_one_b_programs` (local to it).
+
+    Which of its actions are ready is kept as the play goes (:attr:`arrived`, :attr:`backwardable`,
+    fed by the heads of its channels): looking for a ready forward among every pending one, each step,
+    made recording quadratic in the microbatches."""
+
+    chunks: tuple[int, ...]
+    """The rank's stages, in layer order."""
+    microbatches: list[int]
+    """The rank's share, in the order it walks it."""
+    round_size: int
+    """Microbatches per interleaving round (the number of groups)."""
+    limit: int
+    last_stage: int
+    """The plan's last stage, whose backwards need no gradient."""
+    pending: list[Action] = field(init=False)
+    """Forwards left, in preference order."""
+    _position: dict[int, int] = field(init=False, repr=False)
+    """Each microbatch's place in :attr:`microbatches` (the preference key is asked for often)."""
+    _chunk: dict[int, int] = field(init=False, repr=False)
+    _first_stage: list[Action] = field(init=False, repr=False)
+    """The forwards of the plan's first stage (none unless the rank runs it), in preference order: they
+    run in that order (they need no input, so only the first of them is ever offered)."""
+    arrived: set[Action] = field(default_factory=set)
+    """Forwards whose activation heads its channel."""
+    backwardable: set[Action] = field(default_factory=set)
+    """Forwards in flight whose backward may run: of the last stage, or their gradient heads its channel."""
+    in_flight: list[Action] = field(default_factory=list)
+    program: list[Action] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._position = {j: k for k, j in enumerate(self.microbatches)}
+        self._chunk = {s: c for c, s in enumerate(self.chunks)}
+        self.pending = sorted(
+            (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches), key=self._forward_key
+        )
+        self._first_stage = [action for action in reversed(self.pending) if action.stage == 0]
+
+    def _key(self, action: Action, chunk: int) -> tuple[int, int, int]:
+        position = self._position[action.microbatch]
+        return position // self.round_size, chunk, position % self.round_size
+
+    def _forward_key(self, action: Action) -> tuple[int, int, int]:
+        return self._key(action, self._chunk[action.stage])
+
+    def _backward_key(self, forward: Action) -> tuple[int, int, int]:
+        """Backwards (of the forwards in flight) prefer the last chunk first."""
+        return self._key(forward, len(self.chunks) - 1 - self._chunk[forward.stage])
+
+    def arrive(self, message: Message) -> None:
+        """``message`` heads its channel: the action it feeds may run."""
+        if message.kind is ActionKind.FORWARD:
+            self.arrived.add(Action(message.boundary + 1, ActionKind.FORWARD, message.microbatch))
+        else:
+            self.backwardable.add(Action(message.boundary, ActionKind.FORWARD, message.microbatch))
+
+    def ready_forward(self, in_order: bool) -> Action | None:
+        """The first forward in preference order whose input has arrived (the first stage's only in
+        microbatch order; later stages take what has arrived: their shares come from several senders);
+        ``in_order``: the first forward left, if ready."""
+        if in_order:
+            first = self.pending[0] if self.pending else None
+            return first if first is not None and (first.stage == 0 or first in self.arrived) else None
+        return min([*self.arrived, *self._first_stage[-1:]], key=self._forward_key, default=None)
+
+    def ready_backward(self, in_order: bool) -> Action | None:
+        """The first backward of the forwards in flight, in preference order, whose gradient has arrived;
+        ``in_order``: the first of them, if ready."""
+        if in_order:
+            first = min(self.in_flight, key=self._backward_key, default=None)
+            forward = first if first in self.backwardable else None
+        else:
+            forward = min(self.backwardable, key=self._backward_key, default=None)
+        return forward and Action(forward.stage, ActionKind.BACKWARD, forward.microbatch)
+
+    def run(self, action: Action) -> None:
+        self.program.append(action)
+        forward = Action(action.stage, ActionKind.FORWARD, action.microbatch)
+        if action.kind is ActionKind.FORWARD:
+            self.arrived.discard(action)
+            self.pending.remove(forward)
+            self.in_flight.append(forward)
+            if action.stage == 0:
+                self._first_stage.pop()
+            if action.stage == self.last_stage:
+                self.backwardable.add(forward)
+        else:
+            self.in_flight.remove(forward)
+            self.backwardable.discard(forward)
+
