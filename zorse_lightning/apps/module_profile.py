@@ -19,6 +19,12 @@ the inventory its times:
   CPU's host time is not a GPU host's). The plan's profile sources say
   ``estimated``.
 
+Either way the profile lists the tensor-parallel degrees the module's blocks
+admit on the cluster, read as start-up reads them
+(:func:`~zorse_lightning.startup.tensor_parallel_support.module_tensor_parallel`:
+the module's ``tp_plan`` attribute or its Hugging Face model's), with the note
+saying why where none.
+
 The plan app has no Trainer, so the step runs in the module's own dtype (no
 precision plugin's forward context) and its ``self.log`` calls are discarded.
 """
@@ -43,6 +49,7 @@ from zorse_lightning.profiling.profile import DeviceTimes, ModelProfile, Profile
 from zorse_lightning.startup.device_profile import DeviceInputs, profile_on_device
 from zorse_lightning.startup.profiled_sizes import ProfiledModel
 from zorse_lightning.startup.step_costs import OptimizerFactory, optimizer_factory
+from zorse_lightning.startup.tensor_parallel_support import module_tensor_parallel
 from zorse_lightning.strategy.trainer_inputs import quiet_training_step
 
 ESTIMATE_EFFICIENCY = 0.4
@@ -82,7 +89,11 @@ def measured_module_profile(
     profiled = profile_on_device(inputs, batch, quiet_training_step(module, nullcontext))
     profile = profiled.profile
     devices = {t.name: _type_times(t, profile, inventory) for t in inventory.gpu_types}
-    return replace(profiled, profile=replace(profile, devices=devices))
+    tensor_parallel = module_tensor_parallel(module, inputs.blocks, inventory, options)
+    return replace(
+        profiled, profile=replace(profile, devices=devices, tensor_parallel=tensor_parallel.support),
+        tensor_parallel_note=tensor_parallel.note,
+    )
 
 
 def _type_times(gpu_type: GpuType, profile: ModelProfile, inventory: ClusterInventory) -> DeviceTimes:

@@ -25,6 +25,7 @@ from zorse_lightning.profiling import warn_if_mixed_sources
 from zorse_lightning.reporting.plan_table import print_plan
 from zorse_lightning.reporting.timeline import draw_plan_timeline
 from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
+from zorse_lightning.startup.tensor_parallel_support import unsaid
 
 
 @report_user_errors
@@ -35,8 +36,11 @@ def _run(cfg: DictConfig) -> None:
     profile = profiled.profile
     options, size_note = within_profiled_sizes(options, profiled.sizes, profiled.why_not)
     plan = make_plan(inventory, profile, int(cfg.global_batch_size), options)
-    if size_note:
-        plan = replace(plan, notes=(*plan.notes, size_note))
+    notes = ([size_note] if size_note else []) + list(
+        unsaid(profiled.tensor_parallel_note, profile.tensor_parallel.reason, plan.notes)
+    )
+    if notes:
+        plan = replace(plan, notes=(*plan.notes, *notes))
     warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
     baselines = all_baselines(inventory, profile, int(cfg.global_batch_size), options)

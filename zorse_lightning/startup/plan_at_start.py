@@ -19,7 +19,9 @@ is left on it after.
 3. each machine's ranks time an all-reduce of the model's gradient bytes
    (:mod:`.link_probe`): the planner prices synchronisation at the measured rate
    where it is below the configured one;
-4. rank 0 plans, and every rank receives the plan.
+4. rank 0 reads the tensor-parallel degrees the module's blocks admit on this
+   cluster (:mod:`.tensor_parallel_support`; the plan's notes say why where
+   none), plans, and every rank receives the plan.
 
 No rank waits for another inside a collective while that one profiles or plans:
 the first rank of a type profiles for as long as its model takes, and a gather's
@@ -52,6 +54,7 @@ from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.engine.p2p_rules import rules_from_environment
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.blocks import CutError, find_block_list
+from zorse_lightning.module.tensor_parallel import Style
 from zorse_lightning.planner.unprofiled import unprofiled_data_parallel
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.schedule.plan import Plan
@@ -64,6 +67,7 @@ from zorse_lightning.startup.link_probe import (
 )
 from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
 from zorse_lightning.startup.step_costs import OptimizerFactory
+from zorse_lightning.startup.tensor_parallel_support import module_tensor_parallel, unsaid
 
 MANUAL_OPTIMIZATION_REASON = (
     "the module optimises by hand (automatic_optimization=False), so the engine cannot own its backward and "
@@ -108,6 +112,10 @@ class StartupInputs:
     its own from the environment's ``MASTER_ADDR`` with the default timeout, not the strategy's address and
     timeout, and one more group every rank must make and connect at start-up. Start-up's gathers go over it
     too: never a device collective."""
+    tp_plan: Mapping[str, Style] | None = None
+    """The strategy's ``tp_plan`` (how a block splits over a tensor-parallel group), which the engine splits by;
+    None: the module's own or its Hugging Face model's (:mod:`zorse_lightning.module.tensor_parallel`). Rank 0
+    reads the TP degrees the blocks admit with it, for the profile the planner prices."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,11 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
             raise box[0]
         return StartupResult(box[0], costs)
     profiled = model_profile(measured, type(inputs.module).__name__)
+    tensor_parallel = module_tensor_parallel(inputs.module, blocks, inventory, options, inputs.tp_plan)
+    profiled = replace(
+        profiled, profile=replace(profiled.profile, tensor_parallel=tensor_parallel.support),
+        tensor_parallel_note=tensor_parallel.note,
+    )
     planned_on = with_measured_rates(inventory, probes)
     try:
         options, size_note = within_profiled_sizes(options, profiled.sizes, profiled.why_not)
@@ -201,6 +214,7 @@ def run_startup(inputs: StartupInputs, batch: Any, run_step: Callable[[Any], Any
         dist.broadcast_object_list([error], 0, group=inputs.host_group)
         raise
     notes = (*(note for p in probes for note in p.notes()), *([size_note] if size_note else []))
+    notes += unsaid(profiled.tensor_parallel_note, profiled.profile.tensor_parallel.reason, plan.notes)
     plan = replace(plan, notes=(*plan.notes, *notes))
     _meet(inputs, "planned")
     dist.broadcast_object_list([plan], 0, group=inputs.host_group)

@@ -24,6 +24,10 @@ class ProfiledModel:
     """The sizes every GPU type measured (None: none measured, as in a reference profile)."""
     why_not: str = ""
     """Why no larger size was measured (the batch's samples per rank, a type's memory): for the plan's note."""
+    tensor_parallel_note: str = ""
+    """Why the module's blocks admit no tensor-parallel degree on a cluster that could hold a TP group (for the
+    plan's notes; :func:`~zorse_lightning.startup.tensor_parallel_support.module_tensor_parallel`); empty: nothing
+    to say."""
 
 def sizes_to_profile(options: PlannerOptions, samples: int) -> tuple[int, ...]:
     """Microbatch sizes start-up measures: 1, 2, 4, ... and the planner's candidates up to the ``samples`` a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.module.tensor_parallel import Style
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.profiling.measure import ForwardContext
 from zorse_lightning.startup.plan_at_start import StartupInputs
@@ -54,6 +56,15 @@ def user_optimizer(module: Any) -> OptimizerFactory | None:
     return optimizer_factory(optimizers[0])
 
 
+def strategy_tp_plan(module: Any) -> Mapping[str, Style] | None:
+    """The ``tp_plan`` given to the strategy the module trains under (None: none given, or a bare module), so
+    that start-up reads the TP degrees the blocks admit by the plan the engine will split them by."""
+    strategy = _strategy_of(module)
+    # ZorseStrategy keeps it as given (its constructor's tp_plan); another strategy has none
+    plan = getattr(strategy, "_tp_plan", None)
+    return plan if isinstance(plan, Mapping) else None
+
+
 def quiet_training_step(module: Any, forward_context: ForwardContext | None = None):
     """``run_step(microbatch)``: the module's own training step inside ``forward_context`` (default: the
     precision plugin's), its ``self.log`` calls discarded; it returns what the step returns (the loss)."""
@@ -86,6 +97,7 @@ def startup_inputs(
         planner_options=options, block_path=block_path, emulation=emulation,
         automatic_optimization=module.automatic_optimization, init_seed=init_seed,
         forward_context=precision_forward_context(module), optimizer=user_optimizer(module),
+        tp_plan=strategy_tp_plan(module),
     )
 
 
