@@ -17,12 +17,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.emulation.emulator import (
-    ComputeEmulator,
-    EmulatedOutOfMemoryError,
-    emulated_modules,
-    named_emulated_modules,
-)
+from zorse_lightning.emulation.coverage import emulated_modules, named_emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator, EmulatedOutOfMemoryError
 from zorse_lightning.emulation.spec import EmulationSpec, cpu_cores_demanded, emulation_spec_for_rank
 from zorse_lightning.emulation import emulator as emulator_module
 from zorse_lightning.emulation.timing import CallCost

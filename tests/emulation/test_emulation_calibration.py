@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
+from zorse_lightning.emulation.coverage import named_emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator
 from zorse_lightning.emulation.spec import EmulationSpec
 from zorse_lightning.emulation.calibration import calibrate_in_turn, calibrate_modules, cost_key, min_costs
 from zorse_lightning.emulation.timing import CALIBRATION_SAMPLES, CallCost, CALIBRATION_REPEATS

@@ -20,7 +20,8 @@ from torch import nn
 from typing_extensions import override
 
 from zorse_lightning.cluster.config import load_cluster
-from zorse_lightning.emulation.emulator import ComputeEmulator, emulated_modules
+from zorse_lightning.emulation.coverage import emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator
 from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN, cpu_cores_demanded
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.module.microbatch import samples_in

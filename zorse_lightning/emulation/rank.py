@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from zorse_lightning.cluster.inventory import ClusterInventory
-from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
+from zorse_lightning.emulation.coverage import named_emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator
 from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN, EmulationSpec, emulation_spec_for_rank
 from zorse_lightning.emulation.memory import MemoryMeter
 from zorse_lightning.emulation.timing import CallCost

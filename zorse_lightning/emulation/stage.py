@@ -14,7 +14,8 @@ from torch.utils.hooks import RemovableHandle
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zorse_lightning.emulation.emulator import ComputeEmulator, named_emulated_modules
+from zorse_lightning.emulation.coverage import named_emulated_modules
+from zorse_lightning.emulation.emulator import ComputeEmulator
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.timing import CallCost
 from zorse_lightning.module.blocks import StageOutput, find_block_list_or_none
