@@ -52,6 +52,10 @@ the stage makes the same gathers in the same order, in rounds (:mod:`zorse_light
 inside a pipeline a round also waits on other stages, and whether rounds and messages can wait on each
 other in a cycle is the rendezvous play's to decide for each plan (``schedule.programs.build_schedule``
 refuses one that would hang)."""
+TENSOR_PARALLEL_SHARDING: tuple[Sharding, ...] = (Sharding.NONE, Sharding.OPTIMIZER)
+"""Sharding levels a stage with tensor parallelism runs: the shards of one TP index's ranks hold local
+slices; the levels that move whole parameters between owners do not run with TP yet, nor does offloading
+activations or gathering per microbatch (``engine.tensor_parallel.check_stage`` refuses them)."""
 SUPPORTS_RECOMPUTATION = True
 SUPPORTS_INTERLEAVING = True
 """Plans may give each group of ranks several non-adjacent layer chunks (``Plan.interleave``): the

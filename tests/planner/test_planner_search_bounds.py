@@ -249,3 +249,47 @@ def test_a_stage_unsharded_where_free_is_priced_as_a_fresh_pricing_would() -> No
             assert found.predicted == prediction(ctx, found, plan_cost(ctx, found))
             assert all(s.sharding in (Sharding.NONE, Sharding.OPTIMIZER_GRADIENTS) for s in found.stages)
     assert unsharded > 5
+
+
+@pytest.mark.parametrize("name", ["a100x4_v100x4", "mix32_4types"])
+def test_lower_bound_never_exceeds_a_random_plan_with_tensor_parallelism(name: str) -> None:
+    """Random layouts split over TP groups where their stages admit it (:meth:`Search.split_over`), random
+    layer counts and replica shares: the bound a TP candidate is queued by is below the plan's closed form
+    and its simulation (a bound that took a TP stage's layers at their one-GPU time would exceed them)."""
+    import random
+    from dataclasses import replace
+
+    from zorse_lightning.planner.cost.evaluate import plan_cost
+    from zorse_lightning.planner.cost.simulate import simulate
+    from zorse_lightning.planner.search.heuristic import _split_plan
+    from zorse_lightning.planner.search.problem import SEARCH_SHARDING
+    from zorse_lightning.profiling.profile import TensorParallelSupport
+
+    inventory = load_cluster(name)
+    profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=12, hidden=1024)
+    profile = replace(profile, tensor_parallel=TensorParallelSupport((2, 4), "", 2048))
+    search = _search(inventory, profile, 32)
+    rng = random.Random(38)
+    splits = [s for l in search.layouts if len(l) <= 6 for t in (2, 4) for s in [search.split_over(l, t)] if s]
+    tight = 0
+    for _ in range(30):
+        layout, degrees = rng.choice(splits)
+        m = rng.choice((2, 4, 8))
+        counts = [1] * len(layout)
+        for _ in range(12 - len(layout)):
+            counts[rng.randrange(len(counts))] += 1
+        shares = []
+        for ranks, t in zip(layout, degrees):
+            replicas = [0] * (len(ranks) // t)
+            for _ in range(16 // m):
+                replicas[rng.randrange(len(replicas))] += 1
+            shares.append([n for n in replicas for _ in range(t)])
+        plan = _split_plan(search.ctx, layout, counts, shares, m, 16, Schedule.ONE_F_ONE_B, SEARCH_SHARDING, False, degrees)
+        assert [s.tensor_parallel for s in plan.stages] == list(degrees)
+        bound = lower_bound_ms(search.ctx, layout, m, 16, 1, degrees)
+        plain_bound = lower_bound_ms(search.ctx, layout, m, 16)
+        closed = plan_cost(search.ctx, plan, memory=False).iteration_ms
+        assert bound <= closed * (1 + 1e-12), (layout, degrees, counts)
+        assert bound <= simulate(search.ctx, plan).makespan_ms * (1 + 1e-12), (layout, degrees, counts)
+        tight += plain_bound > closed  # the bound without TP would not hold
+    assert tight > 0

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from zorse_lightning.capabilities import Sharding
+from zorse_lightning.capabilities import TENSOR_PARALLEL_SHARDING
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.module.tensor_parallel import BlockTensorPlan, local
 from zorse_lightning.schedule.plan import Plan
@@ -43,8 +43,6 @@ __all__ = [
     "parallelize_block",
 ]
 
-TP_SHARDING = (Sharding.NONE, Sharding.OPTIMIZER)
-"""Sharding levels a stage with TP runs (the others move whole parameters between owners, not local slices)."""
 
 
 def check_stage(plan: Plan, stage_index: int) -> None:
@@ -53,10 +51,10 @@ def check_stage(plan: Plan, stage_index: int) -> None:
     if stage.tensor_parallel == 1:
         return
     where = f"stage {stage_index} (tensor_parallel={stage.tensor_parallel})"
-    if stage.sharding not in TP_SHARDING:
+    if stage.sharding not in TENSOR_PARALLEL_SHARDING:
         raise PlanningError(
             f"{where} has sharding {stage.sharding.value!r}, which does not run with tensor parallelism yet (it moves "
-            f"whole parameters between owners); use one of {[s.value for s in TP_SHARDING]} or tensor_parallel=1"
+            f"whole parameters between owners); use one of {[s.value for s in TENSOR_PARALLEL_SHARDING]} or tensor_parallel=1"
         )
     if stage.offload_activations:
         raise PlanningError(

@@ -320,12 +320,15 @@ def _peak_bytes(program: tuple[Action, ...], per_microbatch: list[float]) -> flo
 
 def free_memory_shard_fractions(ctx: CostContext, plan: Plan, index: int) -> tuple[float, ...]:
     """Shard fractions of a stage by each rank's memory left after its activations, reserve and
-    the state it holds whole at its level (so every rank fills the same share of what is left)."""
+    the state it holds whole at its level (so every rank fills the same share of what is left); with
+    tensor parallelism by each replica's least, which every rank of the replica repeats (each TP index's
+    ranks shard their slice over the replicas)."""
     stage = plan.stages[index]
     unsharded = stage_memory(ctx, plan, index, tuple(0.0 for _ in stage.ranks))
-    return shard_fractions_by_free_memory(
-        [ctx.capacity_bytes(r) - m.total_bytes for r, m in zip(stage.ranks, unsharded)]
-    )
+    free = [ctx.capacity_bytes(r) - m.total_bytes for r, m in zip(stage.ranks, unsharded)]
+    t = stage.tensor_parallel
+    shares = shard_fractions_by_free_memory([min(free[i : i + t]) for i in range(0, len(free), t)])
+    return tuple(share for share in shares for _ in range(t))
 
 
 def plan_cost(ctx: CostContext, plan: Plan, memory: bool = True) -> PlanCost:

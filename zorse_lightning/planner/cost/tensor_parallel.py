@@ -85,6 +85,29 @@ def block_collectives_ms(
     return forward, forward * (2 if recompute else 1)
 
 
+def layer_terms(
+    ctx: CostContext, group: Sequence[int], degree: int, microbatch_size: int, recompute: bool
+) -> tuple[float, float]:
+    """(factor, ms) that give a layer's time per microbatch on TP group ``group`` (ranks of one type) from its
+    one-GPU time: times ``factor`` (:func:`split_device_times`), plus ``ms`` of all-reduces (the largest layer
+    output's, :func:`block_collectives_ms`); (1, 0) at degree 1. For splits that balance layers by count."""
+    if degree == 1:
+        return 1.0, 0.0
+    largest = max(b.output_bytes_per_sample for b in ctx.profile.layers) * microbatch_size
+    passes = 2 + recompute  # forward, backward, and the forward again where it recomputes
+    factor = split_factor(ctx, ctx.inventory.gpus[group[0]].gpu_type.name, degree)
+    return factor, passes * ALL_REDUCES_PER_PASS * ctx.links.all_reduce_ms(tuple(sorted(group)), largest)
+
+
+def split_factor(ctx: CostContext, gpu_type: str, degree: int) -> float:
+    """What a layer's one-GPU time on ``gpu_type`` is multiplied by when split ``degree`` ways: 1 / (degree x
+    efficiency)."""
+    if degree == 1:
+        return 1.0
+    kind = next(t for t in ctx.inventory.gpu_types if t.name == gpu_type)
+    return 1.0 / (degree * tensor_parallel_efficiency(ctx.profile.times(gpu_type), kind, degree))
+
+
 def stage_rank_times(
     ctx: CostContext, stage: StagePlan, microbatch_size: int, first: bool, last: bool
 ) -> tuple[MicrobatchTimes, ...]:

@@ -13,14 +13,17 @@ from __future__ import annotations
 from collections import Counter
 
 from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.tensor_parallel import split_factor
 from zorse_lightning.planner.cost.update import update_lower_bound_ms
 from zorse_lightning.planner.search.layouts import Layout
 from zorse_lightning.planner.search.problem import block_extras, round_trip_ms
 
 
-def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: int, interleave: int = 1) -> float:
-    """No plan of the layout at microbatch size ``m`` (its groups cut into ``interleave`` chunks each) is
-    faster than this.
+def lower_bound_ms(
+    ctx: CostContext, layout: Layout, m: int, global_batch_size: int, interleave: int = 1, degrees: tuple[int, ...] | None = None,
+) -> float:
+    """No plan of the layout at microbatch size ``m`` (its groups cut into ``interleave`` chunks each, each
+    stage's blocks split over TP groups of ``degrees``, listed replica by replica) is faster than this.
 
     The busiest stage works at least as long as (a) the whole model's work spread
     over every GPU of the layout at its fastest layer time, and (b) any one stage
@@ -34,13 +37,16 @@ def lower_bound_ms(ctx: CostContext, layout: Layout, m: int, global_batch_size: 
     shards steps faster than all of them spread over every GPU of the layout by its
     speed (:func:`update_lower_bound_ms`). Interleaved, a microbatch still passes at least a layer of
     every other group in the fill and drain, and crosses every boundary, but no longer every layer of
-    the others: :func:`bottleneck_bound_ms` holds for plain plans only.
+    the others: :func:`bottleneck_bound_ms` holds for plain plans only. A TP group counts as one GPU
+    whose layers take the one-GPU time over the degree at the type's efficiency (its all-reduces left out),
+    its embedding and head whole: every term then holds as for a GPU.
     """
     num_m = global_batch_size // m
     last = len(layout) - 1
-    types = [Counter(ctx.inventory.gpus[r].gpu_type.name for r in s) for s in layout]  # per stage: GPUs of each type
-    fastest_layer = {t: ctx.fastest_layer_ms(t, m) for t in {t for s in types for t in s}}
-    extras = {(t, s): block_extras(ctx, t, m, s == 0, s == last)[0] for s, stage in enumerate(types) for t in stage}
+    degrees = degrees or (1,) * len(layout)
+    types = [Counter(_unit(ctx, r, t) for r in s[::t]) for s, t in zip(layout, degrees)]  # per stage: units of each type
+    fastest_layer = {u: ctx.fastest_layer_ms(u[0], m) * split_factor(ctx, *u) for u in {u for s in types for u in s}}
+    extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
     whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
     one_layer_per_stage = max(
         num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
@@ -60,15 +66,20 @@ def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, 
     the whole model's work spread over all of them at their fastest layer time, then the optimizer step
     spread over them by speed (the terms of :func:`lower_bound_ms` that need no layout). Lets the search
     skip planning a sub-cluster (the fastest type alone) that cannot beat the plan it holds."""
-    count = Counter(ctx.inventory.gpus[r].gpu_type.name for r in ranks)
-    fastest_layer = {t: ctx.fastest_layer_ms(t, m) for t in count}
+    count = Counter(_unit(ctx, r, 1) for r in ranks)
+    fastest_layer = {u: ctx.fastest_layer_ms(u[0], m) for u in count}
     return _whole_model_ms(ctx, count, fastest_layer, m, global_batch_size // m) + update_lower_bound_ms(ctx, list(ranks))
 
 
-def _whole_model_ms(ctx: CostContext, count: Counter[str], fastest_layer: dict[str, float], m: int, num_m: int) -> float:
+def _unit(ctx: CostContext, rank: int, degree: int) -> tuple[str, int]:
+    """What the bound counts a GPU or TP group as: its type and degree."""
+    return ctx.inventory.gpus[rank].gpu_type.name, degree
+
+
+def _whole_model_ms(ctx: CostContext, count: Counter[tuple[str, int]], fastest_layer: dict, m: int, num_m: int) -> float:
     """Every microbatch through every layer and the cheapest embedding and head, spread over ``count``'s
-    GPUs (of each type) at their fastest layer time: no GPU of them is ever idle."""
-    head_and_embedding = min(block_extras(ctx, t, m, True, True)[0] / fastest_layer[t] for t in count)
+    GPUs and TP groups (of each type and degree) at their fastest layer time: none of them is ever idle."""
+    head_and_embedding = min(block_extras(ctx, u[0], m, True, True)[0] / fastest_layer[u] for u in count)
     capacity = sum(n / fastest_layer[t] for t, n in count.items())
     return num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
 

@@ -53,23 +53,24 @@ Past = Callable[[Plan], bool]
 EVEN_SPLIT = SolverRecord("even split", "stages gathered per microbatch: microbatches split evenly")
 
 
-def split_draft(search: Search, layout, m: int) -> Plan | None:
+def split_draft(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -> Plan | None:
     """The candidate's balanced split, unpriced and unfitted."""
-    return _balanced(search, layout, m, False, False)
+    return _balanced(search, layout, m, False, False, degrees)
 
 
-def heuristic_split(search: Search, layout, m: int) -> list[Plan]:
+def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -> list[Plan]:
     """The candidate's balanced split made to fit; its layers moved by capping each stage at what its memory
-    holds in the integer program's model, and with recomputation the same again."""
-    moved = lambda plan, *_: _balanced(search, layout, m, plan.stages[0].recompute, True)  # noqa: E731
-    return fit(search, _balanced(search, layout, m, False, False), None, moved, lambda _: _balanced(search, layout, m, True, False))
+    holds in the integer program's model (not with TP, which that model does not hold), and with
+    recomputation the same again."""
+    moved = (lambda plan, *_: _balanced(search, layout, m, plan.stages[0].recompute, True)) if not degrees else (lambda *_: None)  # noqa: E731
+    return fit(search, _balanced(search, layout, m, False, False, degrees), None, moved, lambda _: _balanced(search, layout, m, True, False, degrees))
 
 
-def _balanced(search: Search, layout, m: int, recompute: bool, within_memory: bool) -> Plan | None:
+def _balanced(search: Search, layout, m: int, recompute: bool, within_memory: bool, degrees: tuple[int, ...] = ()) -> Plan | None:
     program = within_memory and build_problem(search.ctx, search.windows, _program(search, layout, m, recompute), search.global_batch_size, None)
     return balanced_plan(
         search.ctx, search.windows, layout, m, search.global_batch_size, schedule=search.schedule, recompute=recompute,
-        speeds=search.speeds, fit=program or None,
+        speeds=search.speeds, fit=program or None, degrees=degrees or None,
     )
 
 
@@ -249,19 +250,23 @@ def _closed_form(search: Search, plan: Plan) -> Plan:
 
 
 def _sharded(search: Search, plan: Plan) -> Plan | None:
-    """``plan`` with its unsharded groups of several GPUs sharded as the search shards them (None: none)."""
+    """``plan`` with its unsharded stages of several replicas sharded as the search shards them, a TP stage
+    at a level TP runs (None: none)."""
     stages = tuple(
-        replace(s, sharding=SEARCH_SHARDING) if len(s.ranks) > 1 and s.sharding is Sharding.NONE else s for s in plan.stages
+        replace(s, sharding=SEARCH_SHARDING if s.tensor_parallel == 1 else Sharding.OPTIMIZER)
+        if len(s.replicas) > 1 and s.sharding is Sharding.NONE else s for s in plan.stages
     )
     return with_free_memory_shards(search.ctx, replace(plan, stages=stages, predicted=None)) if stages != plan.stages else None
 
 
 def _offloaded(plan: Plan, cost: PlanCost, over: list) -> Plan | None:
     """``plan`` offloading activations on every chunk of each group of ranks over memory (a group that
-    recomputes offloads what recomputation keeps, its blocks' inputs); None where that changes nothing."""
+    recomputes offloads what recomputation keeps, its blocks' inputs; not a TP stage, which the engine does
+    not offload yet); None where that changes nothing."""
     groups = {plan.rank_groups[group].ranks for group, _, _ in over}
     stages = tuple(
-        replace(s, offload_activations=True) if s.ranks in groups and not s.gather_per_microbatch else s for s in plan.stages
+        replace(s, offload_activations=True) if s.ranks in groups and not s.gather_per_microbatch and s.tensor_parallel == 1 else s
+        for s in plan.stages
     )
     return replace(plan, stages=stages, predicted=None) if stages != plan.stages else None
 

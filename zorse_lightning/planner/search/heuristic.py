@@ -17,6 +17,7 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.cost.compute import per_sample_layer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
+from zorse_lightning.planner.cost.tensor_parallel import layer_terms
 from zorse_lightning.planner.search.ilp import AssignmentProblem, layer_options
 from zorse_lightning.schedule.plan import Plan, SolverRecord
 from zorse_lightning.planner.search.problem import (
@@ -40,10 +41,17 @@ HEURISTIC = SolverRecord("heuristic", "not an optimisation")
 
 
 def microbatch_split(
-    ctx: CostContext, layout: tuple[tuple[int, ...], ...], num_microbatches: int, speeds: dict[str, float]
+    ctx: CostContext, layout: tuple[tuple[int, ...], ...], num_microbatches: int, speeds: dict[str, float],
+    degrees: tuple[int, ...] | None = None,
 ) -> list[list[int]]:
-    """Per stage, microbatches per GPU in proportion to its speed (largest-remainder rounding)."""
-    return [proportional_counts(num_microbatches, [speeds[ctx.inventory.gpus[r].gpu_type.name] for r in ranks]) for ranks in layout]
+    """Per stage, microbatches per GPU in proportion to its speed (largest-remainder rounding); a stage of TP
+    degree ``t`` > 1 (``degrees``, per stage) per replica of ``t`` GPUs, which each of them repeats."""
+    out = []
+    for ranks, t in zip(layout, degrees or (1,) * len(layout)):
+        replicas = [ranks[i : i + t] for i in range(0, len(ranks), t)]
+        counts = proportional_counts(num_microbatches, [sum(speeds[ctx.inventory.gpus[r].gpu_type.name] for r in g) for g in replicas])
+        out.append([n for n in counts for _ in range(t)])
+    return out
 
 
 def proportional_plan(
@@ -77,25 +85,27 @@ def balanced_plan(
     recompute: bool,
     speeds: dict[str, float],
     fit: tuple[AssignmentProblem, list[list[tuple[int, ...]]]] | None = None,
+    degrees: tuple[int, ...] | None = None,
 ) -> Plan | None:
     """Microbatches as :func:`proportional_plan`, layers by :func:`balanced_layer_counts`,
     state sharded as the search shards it (:data:`.problem.SEARCH_SHARDING`); not priced yet. ``fit``: the candidate's integer program and rank
     groups, to cap each stage's layers at what its memory holds in the program's
-    (conservative) memory model; None when no split then fits."""
-    microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds)
+    (conservative) memory model; None when no split then fits. ``degrees``: each stage's TP degree, its ranks
+    listed replica by replica (None: none)."""
+    microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds, degrees)
     max_layers = None if fit is None else _max_layers_that_fit(*fit, layout, microbatches)
-    counts = balanced_layer_counts(ctx, windows, layout, microbatch_size, microbatches, recompute, max_layers)
+    counts = balanced_layer_counts(ctx, windows, layout, microbatch_size, microbatches, recompute, max_layers, degrees)
     if counts is None:
         return None
     return _split_plan(
-        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, SEARCH_SHARDING, recompute
+        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, SEARCH_SHARDING, recompute, degrees
     )
 
 
-def _split_plan(ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute) -> Plan:
+def _split_plan(ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute, degrees=None) -> Plan:
     stages, start = [], 0
-    for ranks, stage_microbatches, count in zip(layout, microbatches, layer_counts):
-        stages.append(stage_plan(ctx, ranks, (start, start + count), stage_microbatches, sharding, recompute))
+    for ranks, stage_microbatches, count, t in zip(layout, microbatches, layer_counts, degrees or (1,) * len(layout)):
+        stages.append(stage_plan(ctx, ranks, (start, start + count), stage_microbatches, sharding, recompute, tensor_parallel=t))
         start += count
     plan = layout_plan(ctx, stages, global_batch_size, microbatch_size, schedule, solver=HEURISTIC)
     return with_free_memory_shards(ctx, plan)
@@ -122,10 +132,12 @@ def balanced_layer_counts(
     microbatches: list[list[int]],
     recompute: bool,
     max_layers: list[int] | None = None,
+    degrees: tuple[int, ...] | None = None,
 ) -> list[int] | None:
     """Layers per stage (at least one each, at most ``max_layers``) minimising the busiest
     stage's busy time, the embedding and head and the transfers its GPUs wait for
-    (:func:`.problem.receive_wait_ms`) included, for the given microbatches per GPU; None
+    (:func:`.problem.receive_wait_ms`) included, for the given microbatches per GPU (a TP stage's
+    layers split over its groups, their all-reduces added: :func:`.tensor_parallel.layer_terms`); None
     when the caps leave no split.
 
     Greedy: every next layer goes to the stage that is least busy with it. A stage's
@@ -137,21 +149,25 @@ def balanced_layer_counts(
     if min(caps) < 1 or sum(caps) < num_layers:
         return None
     message_bytes = max(b.output_bytes_per_sample for b in ctx.profile.layers) * microbatch_size
-    busiest = []  # per stage: (gpu type, most microbatches on one GPU of that type, its waits per microbatch)
-    for s, (ranks, counts) in enumerate(zip(layout, microbatches)):
+    busiest = []  # per stage and GPU type: most microbatches on one GPU, its waits per microbatch, its TP terms
+    for s, (ranks, counts, degree) in enumerate(zip(layout, microbatches, degrees or (1,) * num_stages)):
         by_type: dict[str, list[int]] = {}
         most: dict[str, int] = {}
         for rank, n in zip(ranks, counts):
             gpu_type = ctx.inventory.gpus[rank].gpu_type.name
             by_type.setdefault(gpu_type, []).append(rank)
             most[gpu_type] = max(most.get(gpu_type, 0), n)
-        busiest.append([(t, most[t], receive_wait_ms(ctx, layout, s, tuple(of_type), message_bytes)) for t, of_type in by_type.items()])
+        busiest.append([
+            (t, most[t], receive_wait_ms(ctx, layout, s, tuple(of_type), message_bytes), *layer_terms(ctx, of_type[:degree], degree, microbatch_size, recompute))
+            for t, of_type in by_type.items()
+        ])
 
     def busy_ms(stage: int, layers: int) -> float:
         first, last = stage == 0, stage == num_stages - 1
         return max(
-            n * (windows.time_ms(t, microbatch_size, recompute)[layers - 1] + block_extras(ctx, t, microbatch_size, first, last)[0] + wait)
-            for t, n, wait in busiest[stage]
+            n * (windows.time_ms(t, microbatch_size, recompute)[layers - 1] * factor + layers * collectives_ms
+                 + block_extras(ctx, t, microbatch_size, first, last)[0] + wait)
+            for t, n, wait, factor, collectives_ms in busiest[stage]
         )
 
     counts = [1] * num_stages

@@ -88,7 +88,7 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _structure(plan: Plan) -> tuple:
-    return plan.microbatch_size, tuple((s.ranks, s.layers) for s in plan.stages)
+    return plan.microbatch_size, tuple((s.ranks, s.layers, s.tensor_parallel) for s in plan.stages)
 
 
 def _margin(candidate: Candidate, world_size: int) -> float:
@@ -180,7 +180,8 @@ class _Loop:
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
+            interleaves = capabilities.SUPPORTS_INTERLEAVING and not c.tensor_parallel
+            most = degrees(c.draft, self.search.options.max_interleave)[-1] if interleaves else 1
             return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
@@ -205,7 +206,7 @@ class _Loop:
             if c.kind is not Kind.SPLIT:
                 return []
         if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
-            return heuristic_split(search, c.layout, c.microbatch_size)
+            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_fit(search, c.draft)
         if c.kind is Kind.INTERLEAVED:
@@ -231,7 +232,7 @@ class _Loop:
     def _draft(self, c: Candidate) -> Plan | None:
         """``c``'s plan before it is made to fit, priced in the closed form."""
         if c.kind is Kind.SPLIT:
-            plan = split_draft(self.search, c.layout, c.microbatch_size)
+            plan = split_draft(self.search, c.layout, c.microbatch_size, c.tensor_parallel)
             return plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
         if c.kind is Kind.GATHERED:
             return gathered_draft(self.search, c.layout, c.microbatch_size)
@@ -280,7 +281,7 @@ class _Loop:
         simulation does not play the gathers)."""
         main = plans[-1] if plans and not any(s.offload_activations for s in plans[-1].stages) else None
         remedied = main is None  # only offload fits, or nothing: gathering per microbatch is the other remedy
-        if main is None and candidate.kind is Kind.SPLIT:  # the program may find a split that fits
+        if main is None and candidate.kind is Kind.SPLIT and not candidate.tensor_parallel:  # the program may find a split that fits
             self._push(replace(candidate, kind=Kind.PROGRAM))
         programs_left = self.solves < self.search.options.max_programs
         for follow_up in follow_ups(self.search, candidate, main, remedied, programs_left):
@@ -305,7 +306,9 @@ class _Loop:
             rounds = max(max(s.microbatches_per_rank) for s in best.stages)
             notes.append(f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
                          f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
-        notes += [n for n in (choice.idle_note(search.gpu_type), self._interleave_note(best), self._prediction_note(best)) if n]
+        notes += [n for n in (
+            choice.idle_note(search.gpu_type), self._interleave_note(best), self._tensor_parallel_note(best), self._prediction_note(best),
+        ) if n]
         return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=tuple(notes))
 
     def _interleave_note(self, best: Plan) -> str | None:
@@ -330,6 +333,19 @@ class _Loop:
             how = "simulated" if woven.predicted.closed_form_ms is not None else "in the closed form"
             tried.insert(0, f"the fastest priced, x{woven.interleave}, {woven.predicted.iteration_ms:.1f} ms {how}")
         return f"not interleaved (each must beat {plain_ms:.1f} ms, the plan's time, by {INTERLEAVE_MARGIN:.1%}): {'; '.join(tried)}"
+
+    def _tensor_parallel_note(self, best: Plan) -> str | None:
+        """Which stages split their blocks over TP groups and what that gained, or why no stage could."""
+        if not any(s.tensor_parallel > 1 for s in best.stages):
+            support = self.search.ctx.profile.tensor_parallel
+            return None if support.degrees else f"no tensor parallelism: {support.reason}"
+        split = [f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(best.stages) if s.tensor_parallel > 1]
+        plain = self.choice.best(lambda p: all(s.tensor_parallel == 1 for s in p.stages))
+        against = "" if plain is None else (
+            f", {1 - best.predicted.iteration_ms / plain.predicted.iteration_ms:.1%} faster than the fastest plan without "
+            f"({best.predicted.iteration_ms:.1f} against {plain.predicted.iteration_ms:.1f} ms)"
+        )
+        return f"tensor parallel ({', '.join(split)}): each block split over a TP group of GPUs of one type on one machine{against}"
 
     def _prediction_note(self, plan: Plan) -> str:
         """How the plan is predicted, and by how much the closed form the search screens with disagrees."""

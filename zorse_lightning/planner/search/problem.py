@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.capabilities import TENSOR_PARALLEL_SHARDING, Schedule, Sharding
 from zorse_lightning.planner.cost.comm import stage_sync_ms, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, tied_sync_ms
@@ -256,10 +256,15 @@ def stage_plan(
     sharding: Sharding,
     recompute: bool,
     gather_per_microbatch: bool = False,
+    tensor_parallel: int = 1,
 ) -> StagePlan:
-    """A stage of ``ranks`` with their types and machines filled in; one-GPU stages are never sharded."""
+    """A stage of ``ranks`` (replica by replica, each of ``tensor_parallel`` ranks) with their types and
+    machines filled in; a stage of one replica is never sharded, a TP stage at most at a level TP runs
+    (:data:`~zorse_lightning.capabilities.TENSOR_PARALLEL_SHARDING`: ``optimizer`` for any other)."""
     gpus = [ctx.inventory.gpus[r] for r in ranks]
-    sharded = len(ranks) > 1
+    sharded = len(ranks) > tensor_parallel
+    if tensor_parallel > 1 and sharding not in TENSOR_PARALLEL_SHARDING:
+        sharding = Sharding.OPTIMIZER
     return StagePlan(
         ranks=tuple(ranks),
         gpu_types=tuple(g.gpu_type.name for g in gpus),
@@ -269,6 +274,7 @@ def stage_plan(
         sharding=sharding if sharded else Sharding.NONE,
         recompute=recompute,
         gather_per_microbatch=gather_per_microbatch and sharded,
+        tensor_parallel=tensor_parallel,
     )
 
 

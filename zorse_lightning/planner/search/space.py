@@ -20,6 +20,7 @@ from zorse_lightning.capabilities import Schedule
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.tensor_parallel import tensor_parallel_degrees
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search.bound import any_layout_lower_bound_ms, lower_bound_ms
@@ -68,6 +69,8 @@ class Candidate:
     draft: Plan | None = None
     """Its plan built and priced in the closed form, not yet made to fit (gathered and interleaved plans are
     drafted first: fitting them costs more)."""
+    tensor_parallel: tuple[int, ...] = ()
+    """Each stage's TP degree, its ranks listed replica by replica (:meth:`Search.split_over`); empty: none."""
 
     @property
     def key(self) -> tuple | None:
@@ -75,7 +78,7 @@ class Candidate:
         a draft or a baseline, which is made once."""
         if self.plan is not None or self.draft is not None or self.baseline is not None:
             return None
-        return self.kind, self.layout, self.microbatch_size, self.interleave
+        return self.kind, self.layout, self.microbatch_size, self.interleave, self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,29 @@ class Search:
         o = self.options
         return any(pin is not None for pin in (o.stage_layout, o.layer_counts, o.microbatch_size, o.schedule))
 
-    def bound_ms(self, layout: Layout, m: int, interleave: int = 1) -> float:
-        return lower_bound_ms(self.ctx, layout, m, self.global_batch_size, interleave)
+    def bound_ms(self, layout: Layout, m: int, interleave: int = 1, degrees: tuple[int, ...] = ()) -> float:
+        return lower_bound_ms(self.ctx, layout, m, self.global_batch_size, interleave, degrees or None)
+
+    @property
+    def tensor_parallel_degrees(self) -> tuple[int, ...]:
+        """The TP degrees the search tries: those the model's blocks admit, up to ``max_tp``; none where the
+        layer counts are pinned (the integer program that splits them does not model TP)."""
+        if self.options.layer_counts is not None:
+            return ()
+        return tuple(t for t in self.ctx.profile.tensor_parallel.degrees if 1 < t <= self.options.max_tp)
+
+    def split_over(self, layout: Layout, degree: int) -> tuple[Layout, tuple[int, ...]] | None:
+        """``layout`` with its blocks split over TP groups of ``degree`` GPUs in every stage that admits it
+        (:func:`~.tensor_parallel.tensor_parallel_degrees`; its ranks then listed replica by replica), and each
+        stage's degree; None where no stage admits it."""
+        gpus = self.ctx.inventory.gpus
+        stages, degrees = [], []
+        for ranks in layout:
+            ordered = tuple(sorted(ranks, key=lambda r: (gpus[r].machine, gpus[r].gpu_type.name, r)))
+            split = degree in tensor_parallel_degrees(self.ctx, ordered, degree)
+            stages.append(ordered if split else ranks)
+            degrees.append(degree if split else 1)
+        return (tuple(stages), tuple(degrees)) if degree in degrees else None
 
     def gpu_type(self, rank: int) -> str:
         return self.ctx.inventory.gpus[rank].gpu_type.name
@@ -136,6 +160,9 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
             yield Candidate(bound, kind, layout, m)
             if len(layout) == 1 and len(layout[0]) > 1:
                 yield Candidate(bound, Kind.GATHERED, layout, m)
+        for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
+            for m in search.sizes:
+                yield Candidate(search.bound_ms(split[0], m, 1, split[1]), Kind.SPLIT, split[0], m, tensor_parallel=split[1])
     for ranks, build, searched in baselines:
         bound = min(any_layout_lower_bound_ms(search.ctx, ranks, m, search.global_batch_size) for m in search.sizes)
         same = [search.bound_ms(l, m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
@@ -145,8 +172,11 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
 def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bool, programs_left: bool) -> Iterator[Candidate]:
     """What a plain ``plan`` of candidate ``found`` opens (None: nothing of it fits): the layout gathered per
     microbatch where the plan needed a remedy to fit (``remedied``); its layout split by the integer program (where it has
-    something to choose and programs are left), and each interleaving degree it admits."""
+    something to choose and programs are left), and each interleaving degree it admits. A plan with TP opens
+    none of them: the engine gathers and interleaves no TP stage yet, and the program does not model TP."""
     layout, m = found.layout, found.microbatch_size
+    if any(t > 1 for t in found.tensor_parallel):
+        return
     if remedied and len(layout) > 1 and capabilities.SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES and sum(map(len, layout)) > len(layout):
         yield Candidate(found.bound_ms, Kind.GATHERED, layout, m)
     if plan is None:
@@ -167,9 +197,11 @@ def other_orders(search: Search, chosen: Plan) -> Iterator[Candidate]:
     pinned = search.options.stage_layout is not None or search.options.layer_counts is not None
     if pinned or not 2 <= len(chosen.stages) <= MOST_ORDERED_GROUPS or chosen.interleave > 1 or any(s.gather_per_microbatch for s in chosen.stages):
         return
-    for order in permutations(tuple(s.ranks for s in chosen.stages)):
+    for order in permutations(tuple((s.ranks, s.tensor_parallel) for s in chosen.stages)):
+        layout, degrees = tuple(ranks for ranks, _ in order), tuple(t for _, t in order)
+        degrees = degrees if any(t > 1 for t in degrees) else ()
         for size in search.sizes:
-            yield Candidate(search.bound_ms(order, size), Kind.SPLIT, order, size)
+            yield Candidate(search.bound_ms(layout, size, 1, degrees), Kind.SPLIT, layout, size, tensor_parallel=degrees)
 
 
 def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
