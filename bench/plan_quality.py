@@ -42,7 +42,10 @@ interleaving degree with the planner's note on it: how the plan is shaped, besid
 fast it is, and its own ``ilp``; ``interleaved_plans``: plans per degree, 1 plain).
 ``--no-interleaving`` plans with ``max_interleave=1`` (never interleaved); by default
 the planner interleaves where the engine runs it (``capabilities.SUPPORTS_INTERLEAVING``). Goals (issue 3): 0, 0
-and at most 1.5.
+and at most 1.5. Tensor parallelism: ``--max-tp`` (1: none; each case gives its stages' degrees,
+``tensor_parallel``), and ``--compare-tp`` plans each case with TP again at ``max_tp=1``: each case's
+``tp_gain_pct``, and ``tensor_parallel_plans`` and ``median_tp_gain_pct_7b_13b`` (Llama 7B and 13B, GPT 6.7B)
+in the summary (issue 38).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import argparse
 import json
 import statistics
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -118,6 +121,18 @@ class Case:
     """The plan in the cost model's closed form, which the search screens candidates with."""
     simulated_ms: float | None = None
     """The plan in the simulation of the engine's programs (None: predicted by the closed form, see its note)."""
+    tensor_parallel: str = ""
+    """Each stage's TP degree (1: its blocks not split)."""
+    without_tp_ms: float | None = None
+    """The plan of the same search with ``max_tp=1`` (``--compare-tp``; planned again only where the plan has
+    TP, else the plan's own time); None: not compared, or nothing fits without TP."""
+
+    @property
+    def tp_gain_pct(self) -> float | None:
+        """How much faster the plan is than the best plan without TP, in percent."""
+        if self.plan_ms is None or self.without_tp_ms is None:
+            return None
+        return (self.without_tp_ms / self.plan_ms - 1) * 100
 
     @property
     def ratio_to_bound(self) -> float | None:
@@ -185,6 +200,9 @@ class Case:
             "interleave_note": self.interleave_note,
             "closed_form_ms": self.closed_form_ms,
             "simulated_ms": self.simulated_ms,
+            "tensor_parallel": self.tensor_parallel,
+            "without_tp_ms": self.without_tp_ms,
+            "tp_gain_pct": self.tp_gain_pct,
             "ilp": ilp_summary(list(self.programs)) | {"plan_from_program": self.from_program},
         }
 
@@ -271,7 +289,9 @@ def _assignment_bound_ms(
     return pulp.value(limit)
 
 
-def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu: int = SAMPLES_PER_GPU) -> Case:
+def run_case(
+    cluster: str, model: str, options: PlannerOptions, samples_per_gpu: int = SAMPLES_PER_GPU, compare_tp: bool = False,
+) -> Case:
     inventory = load_cluster(cluster)
     profile = reference_profile(model, [t.name for t in inventory.gpu_types], SEQ_LEN, DTYPE)
     batch = samples_per_gpu * inventory.world_size
@@ -296,7 +316,11 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         "interleave_note": next((n for n in plan.notes if "interleaved" in n), ""),
         "closed_form_ms": plan.predicted.closed_form_ms or plan.predicted.iteration_ms,
         "simulated_ms": plan.predicted.iteration_ms if plan.predicted.closed_form_ms is not None else None,
+        "tensor_parallel": ",".join(str(s.tensor_parallel) for s in plan.stages),
     }
+    if compare_tp and plan is not None:
+        shape["without_tp_ms"] = plan.predicted.iteration_ms if all(s.tensor_parallel == 1 for s in plan.stages) else _without_tp_ms(
+            inventory, profile, batch, options)
     sizes = microbatch_sizes_of(batch, inventory.world_size, options)
     bound = compute_bound_ms(inventory, profile, batch, sizes)
     used_bound = plan and compute_bound_ms(inventory, profile, batch, sizes, plan.idle_ranks)
@@ -306,6 +330,13 @@ def run_case(cluster: str, model: str, options: PlannerOptions, samples_per_gpu:
         step_used_bound_ms=plan and compute_bound_ms(inventory, profile, batch, sizes, plan.idle_ranks, with_step=True),
         programs=tuple(programs.runs), idle_baselines=idle_baselines, **shape,
     )
+
+
+def _without_tp_ms(inventory: ClusterInventory, profile: ModelProfile, batch: int, options: PlannerOptions) -> float | None:
+    try:
+        return make_plan(inventory, profile, batch, replace(options, max_tp=1)).predicted.iteration_ms
+    except PlanningError:
+        return None
 
 
 def _ms(value: float | None) -> str:
@@ -386,6 +417,8 @@ def summary(cases: list[Case], skipped: list[Case], allow_idle_ranks: bool) -> d
         "median_idle_gpus_per_plan": statistics.median(c.idle_gpus for c in planned) if planned else None,
         "interleaved_plans": {str(d): sum(c.interleave == d for c in planned) for d in sorted({c.interleave for c in planned})},
         "ilp": ilp_summary([r for c in cases for r in c.programs]) | {"plans_from_program": sum(c.from_program for c in cases)},
+        "tensor_parallel_plans": sum(any(t != "1" for t in c.tensor_parallel.split(",")) for c in planned),
+        "median_tp_gain_pct_7b_13b": _median(c.tp_gain_pct for c in cases if c.model in ("llama_7b", "llama_13b", "gpt_6.7b")),
         "per_case": [c.as_json() for c in cases],
         "allow_idle_ranks": allow_idle_ranks,
         "skipped": [f"{c.cluster}/{c.model}" for c in skipped],
@@ -406,8 +439,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="let the planner interleave its plans where the engine runs them (--no-interleaving: max_interleave=1)",
     )
     parser.add_argument("--max-interleave", type=int, default=PlannerOptions.max_interleave)
+    parser.add_argument("--max-tp", type=int, default=PlannerOptions.max_tp, help="most GPUs of a TP group (1: no TP)")
+    parser.add_argument(
+        "--compare-tp", action="store_true",
+        help="plan again with max_tp=1 where a plan has TP: tp_gain_pct per case, the median on the 7B and 13B models",
+    )
     args = parser.parse_args(argv)
-    options = PlannerOptions(allow_idle_ranks=args.allow_idle_ranks, max_interleave=args.max_interleave if args.interleaving else 1)
+    options = PlannerOptions(
+        allow_idle_ranks=args.allow_idle_ranks, max_interleave=args.max_interleave if args.interleaving else 1, max_tp=args.max_tp,
+    )
     console = Console(width=None if Console().is_terminal else 180)
     warnings.simplefilter("ignore", MixedProfileSourcesWarning)  # expected: the data has holes (issue 3, section 1)
     cases: list[Case] = []
@@ -416,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
         for cluster in args.clusters:
             for model in args.models:
                 progress.update(task, description=f"{cluster} / {model}")
-                cases.append(run_case(cluster, model, options, args.samples_per_gpu))
+                cases.append(run_case(cluster, model, options, args.samples_per_gpu, args.compare_tp))
                 progress.advance(task)
     fitting = [c for c in cases if c.fits_somewhere]
     skipped = [c for c in cases if not c.fits_somewhere]
@@ -430,7 +470,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['median_ratio_to_step_bound']:.3f} (over the GPUs each plan uses: "
         f"{result['median_ratio_to_step_used_bound']:.3f}); median stages per plan: "
         f"{result['median_stages_per_plan']}; median idle GPUs per plan: {result['median_idle_gpus_per_plan']}; "
-        f"plans by interleaving degree: {result['interleaved_plans']} (interleaving offered: {args.interleaving})"
+        f"plans by interleaving degree: {result['interleaved_plans']} (interleaving offered: {args.interleaving}); "
+        f"plans with TP: {result['tensor_parallel_plans']} (max_tp={args.max_tp}); median gain of TP on the 7B and 13B "
+        f"models: {result['median_tp_gain_pct_7b_13b']} %"
     )
     ilp = result["ilp"]
     console.print(
