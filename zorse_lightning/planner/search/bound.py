@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.tensor_parallel import split_factor
+from zorse_lightning.planner.cost.tensor_parallel import ALL_REDUCES_PER_PASS, split_factor
 from zorse_lightning.planner.cost.update import update_lower_bound_ms
 from zorse_lightning.planner.search.layouts import Layout
 from zorse_lightning.planner.search.problem import block_extras, round_trip_ms
@@ -38,21 +38,22 @@ def lower_bound_ms(
     speed (:func:`update_lower_bound_ms`). Interleaved, a microbatch still passes at least a layer of
     every other group in the fill and drain, and crosses every boundary, but no longer every layer of
     the others: :func:`bottleneck_bound_ms` holds for plain plans only. A TP group counts as one GPU
-    whose layers take the one-GPU time over the degree at the type's efficiency (its all-reduces left out),
+    whose layers take the one-GPU time over the degree at the type's efficiency plus the all-reduces of
+    the smallest layer output of a forward and a backward on the fastest such group (:func:`_split_layer_ms`),
     its embedding and head whole: every term then holds as for a GPU.
     """
     num_m = global_batch_size // m
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
     types = [Counter(_unit(ctx, r, t) for r in s[::t]) for s, t in zip(layout, degrees)]  # per stage: units of each type
-    fastest_layer = {u: ctx.fastest_layer_ms(u[0], m) * split_factor(ctx, *u) for u in {u for s in types for u in s}}
+    message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
+    fastest_layer = _split_layer_ms(ctx, layout, degrees, m, message_bytes)
     extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
     whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
     one_layer_per_stage = max(
         num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
     )
     fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
-    message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
     transfers = sum(round_trip_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
@@ -69,6 +70,22 @@ def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, 
     count = Counter(_unit(ctx, r, 1) for r in ranks)
     fastest_layer = {u: ctx.fastest_layer_ms(u[0], m) for u in count}
     return _whole_model_ms(ctx, count, fastest_layer, m, global_batch_size // m) + update_lower_bound_ms(ctx, list(ranks))
+
+
+def _split_layer_ms(ctx: CostContext, layout: Layout, degrees: tuple[int, ...], m: int, message_bytes: float) -> dict[tuple[str, int], float]:
+    """Per type and degree, the least time of one microbatch through a layer on one GPU or TP group of the layout."""
+    out: dict[tuple[str, int], float] = {}
+    for ranks, t in zip(layout, degrees):
+        if t == 1:
+            out.update({u: ctx.fastest_layer_ms(u[0], m) for u in {_unit(ctx, r, 1) for r in ranks}})
+            continue
+        for start in range(0, len(ranks), t):
+            unit = _unit(ctx, ranks[start], t)
+            group = tuple(sorted(ranks[start : start + t]))
+            collectives = 2 * ALL_REDUCES_PER_PASS * ctx.links.all_reduce_ms(group, message_bytes) if t > 1 else 0.0
+            ms = ctx.fastest_layer_ms(unit[0], m) * split_factor(ctx, *unit) + collectives
+            out[unit] = min(out.get(unit, ms), ms)
+    return out
 
 
 def _unit(ctx: CostContext, rank: int, degree: int) -> tuple[str, int]:
