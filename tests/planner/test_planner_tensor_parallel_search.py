@@ -65,3 +65,20 @@ def test_tp_is_not_chosen_where_it_does_not_win(cluster: str) -> None:
     without = make_plan(inventory, profile, 8 * inventory.world_size, PlannerOptions(max_tp=1))
     assert all(s.tensor_parallel == 1 for s in plan.stages)
     assert plan.stages == without.stages
+
+
+def test_a_tp_plan_is_interleaved_where_that_wins_too() -> None:
+    """Llama 7B on the same cluster at 8 samples a GPU: the loop interleaves a TP plan as it does any other
+    (four stages of TP pairs, two chunks each, against 1959.2 ms without TP), and the engine's programs exist
+    for it."""
+    from zorse_lightning.engine.tensor_parallel import check_stage
+    from zorse_lightning.schedule.programs import build_schedule
+
+    inventory = load_cluster("a100x4_v100x4")
+    plan = make_plan(inventory, _reference("llama_7b", inventory), 64)
+    assert plan.interleave > 1 and {s.tensor_parallel for s in plan.stages} == {2}
+    assert plan.predicted.iteration_ms < 1959.2
+    check_plan(plan, inventory)
+    for index in range(len(plan.stages)):
+        check_stage(plan, index)
+    assert build_schedule(plan) is not None

@@ -180,8 +180,7 @@ class _Loop:
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            interleaves = capabilities.SUPPORTS_INTERLEAVING and not c.tensor_parallel
-            most = degrees(c.draft, self.search.options.max_interleave)[-1] if interleaves else 1
+            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
             return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))

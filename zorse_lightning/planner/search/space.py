@@ -173,22 +173,23 @@ def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bo
     """What a plain ``plan`` of candidate ``found`` opens (None: nothing of it fits): the layout gathered per
     microbatch where the plan needed a remedy to fit (``remedied``); its layout split by the integer program (where it has
     something to choose and programs are left), and each interleaving degree it admits. A plan with TP opens
-    none of them: the engine gathers and interleaves no TP stage yet, and the program does not model TP."""
-    layout, m = found.layout, found.microbatch_size
-    if any(t > 1 for t in found.tensor_parallel):
-        return
-    if remedied and len(layout) > 1 and capabilities.SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES and sum(map(len, layout)) > len(layout):
+    only its interleavings: the engine gathers no TP stage, and the program does not model TP."""
+    layout, m, split = found.layout, found.microbatch_size, found.tensor_parallel
+    if remedied and not split and len(layout) > 1 and capabilities.SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES and sum(map(len, layout)) > len(layout):
         yield Candidate(found.bound_ms, Kind.GATHERED, layout, m)
     if plan is None:
         return
-    if found.kind is Kind.SPLIT and programs_left and not (len(layout) == 1 and len(stage_groups(search.ctx, layout[0])) == 1):
+    if found.kind is Kind.SPLIT and programs_left and not split and not (len(layout) == 1 and len(stage_groups(search.ctx, layout[0])) == 1):
         yield Candidate(found.bound_ms, Kind.PROGRAM, layout, m, plan=plan)
     if plan.interleave == 1 and capabilities.SUPPORTS_INTERLEAVING and not any(s.gather_per_microbatch for s in plan.stages):
         thick = min(s.num_layers for s in plan.stages)
         for degree in degrees(plan, search.options.max_interleave)[1:]:
             if search.options.layer_counts is None or thick >= degree:
                 stages = tuple(s.ranks for s in plan.stages)
-                yield Candidate(search.bound_ms(stages, plan.microbatch_size, degree), Kind.INTERLEAVED, stages, plan.microbatch_size, degree, plan)
+                yield Candidate(
+                    search.bound_ms(stages, plan.microbatch_size, degree, split), Kind.INTERLEAVED, stages, plan.microbatch_size, degree, plan,
+                    tensor_parallel=split,
+                )
 
 
 def other_orders(search: Search, chosen: Plan) -> Iterator[Candidate]:
