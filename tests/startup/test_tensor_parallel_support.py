@@ -120,10 +120,13 @@ def test_a_hugging_face_llama_admits_what_its_key_value_heads_allow():
 
 
 def test_start_up_reads_the_strategys_tp_plan():
-    plan = {"mlp.0": "colwise"}
-    attached = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace(_tp_plan=plan)))
-    assert strategy_tp_plan(attached) is plan
-    assert strategy_tp_plan(SimpleNamespace(trainer=SimpleNamespace(strategy=object()))) is None
+    from zorse_lightning import ZorseStrategy
+
+    plan = {"mlp.0": "colwise", "mlp.2": "rowwise"}
+    attached = SimpleNamespace(trainer=SimpleNamespace(strategy=ZorseStrategy(cluster="cpu_sim2", tp_plan=plan)))
+    assert strategy_tp_plan(attached) == plan
+    assert strategy_tp_plan(SimpleNamespace(trainer=SimpleNamespace(strategy=ZorseStrategy(cluster="cpu_sim2")))) is None
+    assert strategy_tp_plan(SimpleNamespace(trainer=SimpleNamespace(strategy=object()))) is None  # another strategy
 
 
 # --- measured: start-up and the plan app ----------------------------------------------------------------------
