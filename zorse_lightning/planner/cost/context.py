@@ -46,6 +46,8 @@ class CostContext:
     or a reserve the user gave whole)."""
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
+    _split_devices: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of each type's times split over TP groups of each degree (:func:`split_device_times`)."""
     _fastest_layer_ms: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`fastest_layer_ms`: the search's lower bound asks for it per candidate."""
     _timelines: dict = field(default_factory=dict, compare=False, repr=False)
@@ -64,12 +66,7 @@ class CostContext:
         the compute of one rank of a TP group of that many, its collectives apart (:mod:`.tensor_parallel`)."""
         key = (gpu_type, layers, microbatch_size, first, last, recompute, offload, tensor_parallel)
         if key not in self._microbatch_times:
-            device = self.profile.times(gpu_type)
-            if tensor_parallel > 1:
-                kind = next(t for t in self.inventory.gpu_types if t.name == gpu_type)
-                device = split_device_times(
-                    device, tensor_parallel, tensor_parallel_efficiency(device, kind, tensor_parallel)
-                )
+            device = self._device(gpu_type, tensor_parallel)
             times = stage_microbatch_times(
                 device, layers, microbatch_size, first=first, last=last, recompute=recompute,
                 action_ms=self.action_overhead_ms(gpu_type), overlaps=device.host_overlaps_device,
@@ -78,6 +75,17 @@ class CostContext:
                 times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size, recompute))
             self._microbatch_times[key] = times
         return self._microbatch_times[key]
+
+    def _device(self, gpu_type: str, tensor_parallel: int):
+        """``gpu_type``'s times, split over TP groups of ``tensor_parallel`` GPUs (:func:`split_device_times`)."""
+        device = self.profile.times(gpu_type)
+        if tensor_parallel == 1:
+            return device
+        if (gpu_type, tensor_parallel) not in self._split_devices:
+            kind = next(t for t in self.inventory.gpu_types if t.name == gpu_type)
+            efficiency = tensor_parallel_efficiency(device, kind, tensor_parallel)
+            self._split_devices[gpu_type, tensor_parallel] = split_device_times(device, tensor_parallel, efficiency)
+        return self._split_devices[gpu_type, tensor_parallel]
 
     def offload_copy_ms(self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, recompute: bool = False) -> float:
         """One way of one microbatch's activation copies on a stage of ``layers`` at ``gpu_type``'s host link

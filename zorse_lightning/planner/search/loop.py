@@ -36,7 +36,9 @@ from zorse_lightning.planner.search.fit import (
 from zorse_lightning.planner.search.heuristic import HEURISTIC
 from zorse_lightning.planner.search.ilp import SOLVER_NAME
 from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
-from zorse_lightning.planner.search.space import WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders
+from zorse_lightning.planner.search.space import (
+    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders, tensor_parallel_variants,
+)
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.schedule.plan import Plan, SolverRecord
 
@@ -180,17 +182,23 @@ class _Loop:
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
-            return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
+            return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
+        if c.kind is Kind.SPLIT and c.plan is not None:  # a TP variant of a plain draft
+            return max(c.bound_ms, self._best_case_ms(c.plan, max(c.tensor_parallel)) * floor)
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.INTERLEAVED:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
 
+    def _most_interleave(self, plan: Plan) -> int:
+        return degrees(plan, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
+
     def _best_case_ms(self, plain: Plan, degree: int) -> float:
-        """``plain``'s closed form less what interleaving it at ``degree`` could save: its fill and drain
-        made ``degree`` times shorter."""
+        """``plain``'s closed form less what interleaving it at ``degree``, or splitting its layers over TP
+        groups of that many GPUs (or both, the product), could save: its fill and drain made ``degree`` times
+        shorter. Neither makes a GPU's own work smaller (a TP group's GPUs each run every microbatch of their
+        replica, each layer at the one-GPU time over the degree at an efficiency of at most 1)."""
         base = self._base(plain)
         return base.iteration_ms - base.fill_ms * (1 - 1 / degree)
 
@@ -199,6 +207,9 @@ class _Loop:
         search, choice = self.search, self.choice
         if c.kind in (Kind.SPLIT, Kind.GATHERED, Kind.INTERLEAVED) and c.draft is None:
             draft = self._draft(c)
+            if c.kind is Kind.SPLIT and not c.tensor_parallel:
+                for variant in tensor_parallel_variants(search, c.layout, c.microbatch_size, draft):
+                    self._push(variant)
             if draft is not None:  # queued again, bounded by the draft's closed form (:meth:`_refined`)
                 self._push(replace(c, draft=draft))
                 return None

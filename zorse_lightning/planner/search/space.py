@@ -118,7 +118,8 @@ class Search:
         o = self.options
         return any(pin is not None for pin in (o.stage_layout, o.layer_counts, o.microbatch_size, o.schedule))
 
-    def bound_ms(self, layout: Layout, m: int, interleave: int = 1, degrees: tuple[int, ...] = ()) -> float:
+    def bound_ms(self, layout: Layout, degrees: tuple[int, ...], m: int, interleave: int = 1) -> float:
+        """:func:`.bound.lower_bound_ms` of ``layout`` with each stage at TP degree ``degrees`` (empty: none)."""
         return lower_bound_ms(self.ctx, layout, m, self.global_batch_size, interleave, degrees or None)
 
     @property
@@ -155,18 +156,24 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
     the same)."""
     kind = Kind.PROGRAM if search.options.layer_counts is not None else Kind.SPLIT
     for layout in search.layouts:
+        splits = [s for s in (search.split_over(layout, t) for t in search.tensor_parallel_degrees) if s]
         for m in search.sizes:
-            bound = search.bound_ms(layout, m)
-            yield Candidate(bound, kind, layout, m)
+            bound = search.bound_ms(layout, (), m)
+            family = min([bound] + [search.bound_ms(*s, m) for s in splits])  # it stands for its TP variants until drafted
+            yield Candidate(family, kind, layout, m)
             if len(layout) == 1 and len(layout[0]) > 1:
                 yield Candidate(bound, Kind.GATHERED, layout, m)
-        for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
-            for m in search.sizes:
-                yield Candidate(search.bound_ms(split[0], m, 1, split[1]), Kind.SPLIT, split[0], m, tensor_parallel=split[1])
     for ranks, build, searched in baselines:
         bound = min(any_layout_lower_bound_ms(search.ctx, ranks, m, search.global_batch_size) for m in search.sizes)
-        same = [search.bound_ms(l, m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
+        same = [search.bound_ms(l, (), m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
         yield Candidate(max(bound, min(same, default=bound)), Kind.BASELINE, (ranks,), baseline=build)
+
+
+def tensor_parallel_variants(search: Search, layout: Layout, m: int, plain: Plan | None) -> Iterator[Candidate]:
+    """``layout`` at size ``m`` with its stages split over TP groups, at each degree some stage admits, each
+    with ``plain``, the draft of the layout without TP it is keyed by until drafted (:meth:`.loop._Loop._refined`)."""
+    for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
+        yield Candidate(search.bound_ms(*split, m), Kind.SPLIT, split[0], m, plan=plain, tensor_parallel=split[1])
 
 
 def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bool, programs_left: bool) -> Iterator[Candidate]:
@@ -187,7 +194,7 @@ def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bo
             if search.options.layer_counts is None or thick >= degree:
                 stages = tuple(s.ranks for s in plan.stages)
                 yield Candidate(
-                    search.bound_ms(stages, plan.microbatch_size, degree, split), Kind.INTERLEAVED, stages, plan.microbatch_size, degree, plan,
+                    search.bound_ms(stages, split, plan.microbatch_size, degree), Kind.INTERLEAVED, stages, plan.microbatch_size, degree, plan,
                     tensor_parallel=split,
                 )
 
@@ -202,7 +209,7 @@ def other_orders(search: Search, chosen: Plan) -> Iterator[Candidate]:
         layout, degrees = tuple(ranks for ranks, _ in order), tuple(t for _, t in order)
         degrees = degrees if any(t > 1 for t in degrees) else ()
         for size in search.sizes:
-            yield Candidate(search.bound_ms(layout, size, 1, degrees), Kind.SPLIT, layout, size, tensor_parallel=degrees)
+            yield Candidate(search.bound_ms(layout, degrees, size), Kind.SPLIT, layout, size, tensor_parallel=degrees)
 
 
 def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
