@@ -346,16 +346,25 @@ class _Loop:
 
     def _tensor_parallel_note(self, best: Plan) -> str | None:
         """Which stages split their blocks over TP groups and what that gained, or why no stage could."""
-        if not any(s.tensor_parallel > 1 for s in best.stages):
+        split = lambda p: any(s.tensor_parallel > 1 for s in p.stages)  # noqa: E731
+        if not split(best):
             support = self.search.ctx.profile.tensor_parallel
-            return None if support.degrees else f"no tensor parallelism: {support.reason}"
-        split = [f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(best.stages) if s.tensor_parallel > 1]
-        plain = self.choice.best(lambda p: all(s.tensor_parallel == 1 for s in p.stages))
+            if not support.degrees:
+                return f"no tensor parallelism: {support.reason}"
+            if not self.search.tensor_parallel_degrees:
+                return None  # max_tp=1, or pinned layer counts
+            fastest = self.choice.best(split)
+            return "not tensor parallel: " + (
+                f"the fastest plan with TP the search priced, {fastest.predicted.iteration_ms:.1f} ms, against "
+                f"{best.predicted.iteration_ms:.1f} ms" if fastest else "no plan with TP could beat it by its bound"
+            )
+        plain = self.choice.best(lambda p: not split(p))
+        stages = [f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(best.stages) if s.tensor_parallel > 1]
         against = "" if plain is None else (
             f", {1 - best.predicted.iteration_ms / plain.predicted.iteration_ms:.1%} faster than the fastest plan without "
             f"({best.predicted.iteration_ms:.1f} against {plain.predicted.iteration_ms:.1f} ms)"
         )
-        return f"tensor parallel ({', '.join(split)}): each block split over a TP group of GPUs of one type on one machine{against}"
+        return f"tensor parallel ({', '.join(stages)}): each block split over a TP group of GPUs of one type on one machine{against}"
 
     def _prediction_note(self, plan: Plan) -> str:
         """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
