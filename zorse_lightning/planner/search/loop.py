@@ -118,6 +118,9 @@ class _Loop:
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
         """The plans held whose other orders are queued, by structure."""
+        self.waiting: list[Candidate] = []
+        """Integer programs past ``max_programs`` while no plan fitted (:meth:`run`)."""
+        self.unlimited = False
         self.refusals: dict[tuple, list[str]] = {}
         """Why each plain plan's interleavings gave nothing, by its structure."""
         for candidate in first_candidates(search, [] if search.pinned else self._baselines()):
@@ -142,6 +145,18 @@ class _Loop:
             heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
 
     def run(self) -> None:
+        """Take candidates until the next is past the plan held. Integer programs beyond ``max_programs`` wait
+        (:attr:`waiting`) until nothing else is left and no plan fits: only then do they run, all of them
+        (a program that finds no split costs its whole solve, and a model that fits nowhere on a large
+        cluster met hundreds of them before the remedies of the other candidates found a plan)."""
+        self._drain()
+        if self.choice.chosen is None and self.waiting:
+            self.unlimited = True
+            for candidate in self.waiting:
+                heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
+            self._drain()
+
+    def _drain(self) -> None:
         world = self.search.ctx.inventory.world_size
         while self.queue:
             if self.choice.floors != self.floors:  # keys scaled by a floor that fell are too high: every key again
@@ -222,7 +237,9 @@ class _Loop:
         if c.kind is Kind.INTERLEAVED:
             return self._interleaved(c)
         if c.kind is Kind.PROGRAM:
-            if choice.chosen is not None and self.solves >= search.options.max_programs:
+            if self.solves >= search.options.max_programs and not self.unlimited:
+                if choice.chosen is None:
+                    self.waiting.append(c)
                 return []
             plan, solved = program_split(search, c.layout, c.microbatch_size, c.plan)
             self.solves += solved
