@@ -3,9 +3,10 @@
 Lightning asks a strategy for its state dicts, to save and load checkpoints and to handle an exception;
 a zorse run answers with each rank's own share (:mod:`zorse_lightning.engine.checkpoint.shards`), keeps
 survivors' copies of the step (:mod:`.snapshots`) and, relaunched, reads survivors' state first
-(:mod:`zorse_lightning.engine.checkpoint.relaunch`). The rest of the strategy (start-up, the step) is
-:class:`~.zorse_strategy.ZorseStrategy`, which sets the attributes these hooks read (``_state``,
-``_recovery``, ``_timeout``, ``inventory``).
+(:mod:`zorse_lightning.engine.checkpoint.relaunch`). The rest of the strategy is
+:class:`~.zorse_strategy.ZorseStrategy` (setup, start-up) and its other bases (:mod:`.steps`,
+:mod:`.processes`); it sets the attributes these hooks read (``_state``, ``_recovery``, ``_timeout``,
+``inventory``).
 """
 
 from __future__ import annotations

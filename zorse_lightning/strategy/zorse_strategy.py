@@ -1,30 +1,27 @@
 """``ZorseStrategy``: Lightning's view of a zorse plan, the adapter and nothing else.
 
-The strategy owns the step. Lightning calls ``training_step`` once per global
-batch; inside it the engine runs the plan's schedule, calling the user's own
-``training_step`` per microbatch, with backward included. Lightning's
-``backward`` therefore only puts the schedule's gradients back between its
-hooks, and ``optimizer_step`` reduces them (weighted by samples, over each
-weight's stages) before Lightning's clipping and the optimizer; clipping uses
-the global norm over all stages. ``self.log`` inside microbatches is captured
-and replayed once per step. A module that optimises by hand owns its step
-instead (:mod:`.manual_optimization`).
+The strategy owns the step: Lightning's ``training_step`` runs the plan's
+schedule, which calls the user's own step per microbatch
+(:class:`~.steps.StepHooks`). Start-up is one call:
+:func:`~zorse_lightning.startup.plan_at_start.run_startup` takes the first batch
+and the user's step and returns the plan. No rank holds more than its stage:
+nothing moves to the device before the engine's cut, and a module built on the
+meta device (``configure_model``, ``init_module(empty_init=True)``) is
+materialized per stage.
 
-Start-up is one call: :func:`~zorse_lightning.startup.plan_at_start.run_startup`
-takes the first batch and the user's step and returns the plan. No rank holds
-more than its stage: nothing moves to the device before the engine's cut, and a
-module built on the meta device (``configure_model``,
-``init_module(empty_init=True)``) is materialized per stage. One class (its
-checkpoint, snapshot and failure hooks in its base, :class:`~.checkpoint_hooks.CheckpointHooks`):
-its arguments are the user's, everything the run learns or builds is one record
+One class; Lightning's hooks of one concern each are in its bases: the steps
+(:class:`~.steps.StepHooks`), the checkpoint, snapshot and failure hooks
+(:class:`~.checkpoint_hooks.CheckpointHooks`), the processes, devices and
+collectives (:class:`~.processes.ProcessHooks`). Here: its arguments, which are the
+user's, the setup that turns a plan into groups and an engine, start-up and the
+data. Everything the run learns or builds is one record
 (:class:`~.run_state.RunState`); what needs no Lightning API lives below
 (engine, its checkpoint package, start-up, the planner's plan check).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -33,14 +30,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -49,14 +41,13 @@ from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.emulation.spec import DEFAULT_FASTEST_SLOWDOWN
 from zorse_lightning.emulation.rank import RankEmulation
 from zorse_lightning.emulation.stage import StageEmulation
-from zorse_lightning.engine.checkpoint import relaunch, shards
+from zorse_lightning.engine.checkpoint import relaunch
 from zorse_lightning.engine.checkpoint.survivors import RecoveryPolicy, RecoveryReport
 from zorse_lightning.engine.executor import PipelineEngine
 from zorse_lightning.engine.host_group import broadcast_module, host_group
 from zorse_lightning.engine.checkpoint.by_name import ByName
 from zorse_lightning.engine.faults import FaultPolicy, SigtermKeeper, start_watchdog, watch_startup
-from zorse_lightning.engine.nccl_memory import measure_first_communicator
-from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, backend_for, build_groups, tear_down_hung_collectives
+from zorse_lightning.engine.groups import DEFAULT_TIMEOUT, build_groups
 from zorse_lightning.module.blocks import CutError, find_block_list, find_block_list_or_none
 from zorse_lightning.module.materialize import InitialValues, has_meta_tensors, holds_values
 from zorse_lightning.module.stage_weights import WeightSource
@@ -66,16 +57,16 @@ from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.planner.plan_check import ModelBlocks, check_plan, check_schedule, resolve_plan, with_schedule
 from zorse_lightning.startup.detection import detect_cluster, placed_inventory
 from zorse_lightning.startup.plan_at_start import StartupResult, run_startup
-from zorse_lightning.strategy.accelerator import cuda_index_for, resolve_accelerator
 from zorse_lightning.strategy.checkpoint_hooks import CheckpointHooks
 from zorse_lightning.strategy.environment import HeterogeneousEnvironment
-from zorse_lightning.strategy.gradient_stash import GradientStash
-from zorse_lightning.strategy.log_capture import LogCapture, LogMerger, capturing_logs, quiet_merged_metric_advice, replay
+from zorse_lightning.strategy.log_capture import quiet_merged_metric_advice
 from zorse_lightning.strategy.manual_optimization import ManualOptimization, check_manual_plan
 from zorse_lightning.strategy.precision import PrecisionChoice, resolve_precision
+from zorse_lightning.strategy.processes import ProcessHooks
 from zorse_lightning.strategy.run_state import RunState
 from zorse_lightning.strategy.sampler import plan_dataloader
 from zorse_lightning.strategy.snapshots import SurvivorSnapshots
+from zorse_lightning.strategy.steps import StepHooks
 from zorse_lightning.strategy.trainer_inputs import quiet_training_step, rank_emulation, startup_inputs, training_loader
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -83,7 +74,7 @@ ClusterSource = str | Path | Mapping[str, Any] | ClusterInventory
 PrecisionName = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
 
 
-class ZorseStrategy(CheckpointHooks):
+class ZorseStrategy(CheckpointHooks, StepHooks, ProcessHooks):
     """Trains one LightningModule over the mixed GPUs of ``cluster`` by a planned pipeline.
 
     Args:
@@ -222,99 +213,6 @@ class ZorseStrategy(CheckpointHooks):
             raise RuntimeError("the zorse engine is built at setup, once the plan is known")
         return self._state.engine
 
-    # -- processes, devices, collectives ------------------------------------------------------
-
-    @property
-    @override
-    def accelerator(self):
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, value: Any) -> None:
-        # Lightning hands its accelerator choice to the strategy here: keep its device kind, add the cluster.
-        self._accelerator = None if value is None else resolve_accelerator(None, value, self.inventory)
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """The device Lightning gave this local rank (``Trainer(devices=[1])``: ``cuda:1``); a process that
-        sees only its own GPU (one Lightning device per process under torchrun or srun) takes the one it sees."""
-        devices = self.parallel_devices
-        if self.local_rank < len(devices):
-            return devices[self.local_rank]
-        if devices[0].type != "cuda":
-            return devices[0]
-        return torch.device("cuda", cuda_index_for(self.local_rank, torch.cuda.device_count()))
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    def set_world_ranks(self) -> None:
-        """Ranks from the launcher as they are; Lightning's own launcher runs one machine (rank = local rank)."""
-        environment = self.cluster_environment
-        # Lightning's children see LOCAL_RANK and report creates_processes_externally, yet still need
-        # their ranks set; only HeterogeneousEnvironment (torchrun, SLURM) knows them on its own.
-        if environment is not None and not isinstance(environment, HeterogeneousEnvironment):
-            if self.num_nodes > 1:
-                raise ValueError(
-                    f"num_nodes={self.num_nodes}: launch each machine with torchrun or srun, which give every "
-                    f"process its global rank (machines may run different numbers of processes)"
-                )
-            environment.set_global_rank(self.local_rank)
-            environment.set_world_size(self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.set_world_ranks()
-        backend = backend_for(self.root_device)
-        tear_down_hung_collectives(backend)  # read by each NCCL group as it is created: before the first
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        # NCCL's memory, measured while nothing else is on the GPU (once: a second fit finds the communicator made)
-        if backend == "nccl" and self.world_size > 1 and self._state.nccl_communicator_bytes is None:
-            self._state.nccl_communicator_bytes = measure_first_communicator(self.root_device)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     # -- setup and the plan -------------------------------------------------------------------
 
     @override
@@ -411,26 +309,6 @@ class ZorseStrategy(CheckpointHooks):
             return InitialValues(self.seed, weights, weights_prefix="")
         return InitialValues(self.seed, self._weights, self._weights_prefix)
 
-    @override
-    def model_to_device(self) -> None:
-        """Nothing moves before the cut: the engine puts this rank's stage on the device and nothing else."""
-
-    @override
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module()``: on the host (the engine moves only the stage to the device); with
-        ``empty_init=True`` on the meta device: no rank ever holds the whole model, and each materializes its
-        stage after planning (values: ``zorse_lightning.module.materialize``; or a checkpoint's, on resume)."""
-        with torch.device("meta" if empty_init else "cpu"), self.precision_plugin.tensor_init_context():
-            yield
-
-    @override
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model()`` builds on the meta device, as under ``init_module(empty_init=True)``."""
-        with torch.device("meta"):
-            yield
-
     # -- start-up and data --------------------------------------------------------------------
 
     def _rank_emulation(self) -> RankEmulation | None:
@@ -482,140 +360,6 @@ class ZorseStrategy(CheckpointHooks):
         if self.lightning_module.trainer.training:
             self._state.resume.train_loader(loader.batch_sampler)
         return loader
-
-    # -- steps --------------------------------------------------------------------------------
-
-    def _microbatch_step(self, hook: str, batch_idx: int, *rest: Any):
-        method = getattr(self.lightning_module, hook)
-        return lambda micro, j: method(micro, batch_idx, *rest)
-
-    def _prepare_engine(self, batch: Any, batch_idx: int) -> None:
-        """Cut the module (unless a validation before training did), then what training alone needs:
-        optimizers restricted to this rank's weights or shard, their restored state, the emulation."""
-        if not self.engine.prepared:
-            silent = LogCapture(self.plan.microbatch_size)
-            with capturing_logs(self.lightning_module, silent):
-                self.engine.prepare(batch, self._microbatch_step("training_step", batch_idx))
-        pending = self._state.resume.pending_module_state
-        if isinstance(pending, ByName):  # the stage holds copies: the files' pages need not stay mapped
-            pending.files.close()
-        self._state.training_prepared = True
-        for optimizer in self.optimizers:
-            self.engine.setup_optimizer(optimizer)
-        for optimizer, state in zip(self.optimizers, self._state.resume.pending_optimizer_states):
-            shards.load_optimizer_state(optimizer, self.lightning_module, state)
-        self._state.resume.pending_optimizer_states = []
-        emulation = self._rank_emulation()
-        if emulation is not None:
-            costs = self._state.startup.calibrated_costs if self._state.startup is not None else None
-            self._state.emulation = StageEmulation.start(
-                emulation, costs, self.lightning_module, self.engine.cut, self.optimizers, self.plan.microbatch_size,
-                offload=self.engine.offload, recompute=self.engine.recomputes,
-            )
-
-    def _captured(self, run, hook: str, batch_idx: int, *rest: Any):
-        capture = LogCapture(self.plan.microbatch_size)
-        with capturing_logs(self.lightning_module, capture):
-            result = run(self._microbatch_step(hook, batch_idx, *rest))
-        merger = self._state.log_mergers.setdefault(hook, LogMerger(self.root_device, self._state.host_group))
-        replay(self.lightning_module, capture.merged_over_ranks(merger), self.plan.global_batch_size)
-        return result
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
-        if not self._state.training_prepared:
-            self._prepare_engine(batch, batch_idx)
-        if self._state.manual is not None:
-            with self.precision_plugin.train_step_context():
-                output = self._state.manual.training_step(batch, batch_idx, *rest)
-            self._step_done(batch_idx)
-            return output
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        scale = self.precision_plugin.loss_scale_value / accumulate
-        # Accumulating over several batches adds the set-aside gradients after the run: no overlap then. Without
-        # accumulation Lightning zeroes the last step's gradients in this step anyway: they are let go here (they
-        # may be views into the reduction's buffer, which this run refills).
-        overlap = accumulate == 1
-        earlier = GradientStash.take(self.engine.local_parameters()) if not overlap else None
-        if overlap:
-            for param in self.engine.local_parameters():
-                param.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self._captured(
-                lambda step: self.engine.run(batch, step, scale, reduce_in_backward=overlap), "training_step", batch_idx, *rest
-            )
-        self._step_done(batch_idx)
-        self._state.stashed = GradientStash.take(self.engine.local_parameters())
-        if earlier is not None:
-            earlier.put_back()
-        return loss
-
-    def _step_done(self, batch_idx: int) -> None:
-        if self._state.emulation is not None:
-            self._state.emulation.after_step()
-        self._state.resume.step_done(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
-
-    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        if not self.engine.prepared:
-            self._prepare_engine_for_evaluation(batch, batch_idx, hook)
-        with self.precision_plugin.val_step_context():
-            outputs = self._captured(lambda step: self.engine.evaluate(batch, step), hook, batch_idx, *rest)
-        return [outputs[j] for j in sorted(outputs)] if outputs else None
-
-    def _prepare_engine_for_evaluation(self, batch: Any, batch_idx: int, hook: str) -> None:
-        """The cut is probed on a loss (its graph shows what crosses the stages): the training step gives
-        one, where ``validation_step`` may only log and ``predict_step`` return no gradient."""
-        probe = "training_step" if is_overridden("training_step", self.lightning_module) else hook
-        silent = LogCapture(self.plan.microbatch_size)
-        with capturing_logs(self.lightning_module, silent), torch.enable_grad():
-            self.engine.prepare(batch, self._microbatch_step(probe, batch_idx))
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        self._evaluation_step("validation_step", batch, batch_idx, *rest)
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        self._evaluation_step("test_step", batch, batch_idx, *rest)
-
-    @override
-    def predict_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        outputs = self._evaluation_step("predict_step", batch, batch_idx, *rest)
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            return torch.cat(outputs)
-        return outputs
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The schedule already ran backward; its gradients come back here, between Lightning's hooks."""
-        if self._state.manual is not None:
-            return self._state.manual.backward(closure_loss, *args, **kwargs)  # manual_backward: a real backward
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._state.stashed.put_back()
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_reduce() -> Any:
-            result = closure()
-            if self._state.manual is None:  # manual_backward reduced its gradients already
-                self.engine.reduce_gradients()
-            # The step changes the weights: a survivor snapshot's copy still reading them (it overlapped this
-            # step's forward and backward) finishes first, a wait on the device, not the host.
-            self._state.keeper.before_optimizer_step()
-            return result
-
-        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        self.engine.after_optimizer_step()
-        return output
-
-    def _patch_clipping(self) -> None:
-        """Lightning clips by the norm of this rank's parameters; the global norm spans every stage. (By hand:
-        one unsharded stage whose gradients are reduced at backward, so Lightning's clipping is right as it is.)"""
-        if self._state.clip_patched or not self.lightning_module.automatic_optimization:
-            return
-        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm_(clip_val)
-        self._state.clip_patched = True
 
     # -- teardown and registration ------------------------------------------------------------
 
