@@ -46,6 +46,8 @@ class CostContext:
     or a reserve the user gave whole)."""
     _microbatch_times: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of :meth:`microbatch_times`: the search prices the same stages in many plans."""
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """Memo of :meth:`memo`: what the search asks for again and again of the same stage."""
     _split_devices: dict = field(default_factory=dict, compare=False, repr=False)
     """Memo of each type's times split over TP groups of each degree (:func:`split_device_times`)."""
     _fastest_layer_ms: dict = field(default_factory=dict, compare=False, repr=False)
@@ -75,6 +77,13 @@ class CostContext:
                 times = with_offload_copies(times, self.offload_copy_ms(gpu_type, layers, microbatch_size, recompute))
             self._microbatch_times[key] = times
         return self._microbatch_times[key]
+
+    def memo(self, key: tuple, make):
+        """``make()``, computed once per ``key`` (its first item names what is memoized) for this context: the
+        search prices the same stages (their parameters, embedding and head) in thousands of plans."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def _device(self, gpu_type: str, tensor_parallel: int):
         """``gpu_type``'s times, split over TP groups of ``tensor_parallel`` GPUs (:func:`split_device_times`)."""

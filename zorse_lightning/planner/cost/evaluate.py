@@ -134,9 +134,11 @@ def stage_parameters_of(ctx: CostContext, plan: Plan, index: int, stage: StagePl
     parallelism its share of the split layers (:func:`.tensor_parallel.rank_parameters`)."""
     chunks = plan.stages_of_group(plan.group_of_stage(index))
     last = len(plan.stages) - 1
+    def counts(layers: tuple[int, int], first: bool, last: bool) -> StageParameters:
+        return ctx.memo(("parameters", layers, first, last), lambda: stage_parameter_counts(ctx.profile, layers, first=first, last=last))
+
     whole = combined_parameters(tuple(
-        stage_parameter_counts(ctx.profile, (stage or plan.stages[s] if s == index else plan.stages[s]).layers, first=s == 0, last=s == last)
-        for s in chunks
+        counts((stage or plan.stages[s] if s == index else plan.stages[s]).layers, s == 0, s == last) for s in chunks
     ))
     degree = (stage or plan.stages[index]).tensor_parallel
     return rank_parameters(whole, degree, ctx.profile.tensor_parallel.replicated_parameters_per_layer)

@@ -37,7 +37,7 @@ from zorse_lightning.planner.search.heuristic import HEURISTIC
 from zorse_lightning.planner.search.ilp import SOLVER_NAME
 from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
 from zorse_lightning.planner.search.space import (
-    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders, tensor_parallel_variants,
+    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders,
 )
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.schedule.plan import Plan, SolverRecord
@@ -196,10 +196,11 @@ class _Loop:
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
-        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
+        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it (a TP split: it alone)
             return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
-        if c.kind is Kind.SPLIT and c.plan is not None:  # a TP variant of a plain draft
-            return max(c.bound_ms, self._best_case_ms(c.plan, max(c.tensor_parallel)) * floor)
+        if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
+            plain = self._split_draft(tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
+            return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel)) * floor) if plain else c.bound_ms
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.INTERLEAVED:
@@ -211,20 +212,18 @@ class _Loop:
 
     def _best_case_ms(self, plain: Plan, degree: int) -> float:
         """``plain``'s closed form less what interleaving it at ``degree``, or splitting its layers over TP
-        groups of that many GPUs (or both, the product), could save: its fill and drain made ``degree`` times
-        shorter. Neither makes a GPU's own work smaller (a TP group's GPUs each run every microbatch of their
+        groups of that many GPUs, could save: the compute of its fill and drain made ``degree`` times shorter
+        (their transfers stay, as the closed form counts them). Neither makes a GPU's own work smaller (a TP group's GPUs each run every microbatch of their
         replica, each layer at the one-GPU time over the degree at an efficiency of at most 1)."""
         base = self._base(plain)
-        return base.iteration_ms - base.fill_ms * (1 - 1 / degree)
+        transfers_ms = sum(2 * boundary.transfer_ms for boundary in base.boundaries)  # one each way, whatever the degree
+        return base.iteration_ms - max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
 
     def _plans(self, c: Candidate) -> list[Plan] | None:
         """The plans ``c`` gives, made to fit; None where it was only drafted and queued again."""
         search, choice = self.search, self.choice
         if c.kind in (Kind.SPLIT, Kind.GATHERED, Kind.INTERLEAVED) and c.draft is None:
             draft = self._draft(c)
-            if c.kind is Kind.SPLIT and not c.tensor_parallel:
-                for variant in tensor_parallel_variants(search, c.layout, c.microbatch_size, draft):
-                    self._push(variant)
             if draft is not None:  # queued again, bounded by the draft's closed form (:meth:`_refined`)
                 self._push(replace(c, draft=draft))
                 return None
@@ -259,8 +258,7 @@ class _Loop:
     def _draft(self, c: Candidate) -> Plan | None:
         """``c``'s plan before it is made to fit, priced in the closed form."""
         if c.kind is Kind.SPLIT:
-            plan = split_draft(self.search, c.layout, c.microbatch_size, c.tensor_parallel)
-            return plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
+            return self._split_draft(c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_draft(self.search, c.layout, c.microbatch_size)
         draft = interleaved_draft(self.search, c.plan, c.interleave)
@@ -268,6 +266,16 @@ class _Loop:
         crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
         self.refusals.setdefault(_structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
         return draft
+
+    def _split_draft(self, layout, m: int, degrees: tuple[int, ...]) -> Plan | None:
+        """The heuristic split of ``layout`` at size ``m`` (TP ``degrees``) in the closed form, made once: a
+        layout's TP variants are keyed by its draft without TP."""
+
+        def make() -> Plan | None:
+            plan = split_draft(self.search, layout, m, degrees)
+            return plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
+
+        return self.search.ctx.memo(("split draft", layout, m, degrees), make)
 
     def _interleaved(self, c: Candidate) -> list[Plan]:
         """An interleaved draft made to fit: the moves of its remedies only while its closed form, times the

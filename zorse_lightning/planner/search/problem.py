@@ -162,6 +162,10 @@ def block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: b
     """(time_ms, parameters, activation bytes per microbatch) of the embedding and head a stage holds, the
     engine's own time of the microbatch's two actions (forward and backward) counted in its time where the
     host does not overlap the device (on CUDA it hides under the compute, as :func:`.cost.compute.stage_microbatch_times` prices it)."""
+    return ctx.memo(("block extras", gpu_type, microbatch_size, first, last), lambda: _block_extras(ctx, gpu_type, microbatch_size, first, last))
+
+
+def _block_extras(ctx: CostContext, gpu_type: str, microbatch_size: int, first: bool, last: bool) -> tuple[float, float, float]:
     profile, device = ctx.profile, ctx.profile.times(gpu_type)
     time = 0.0 if device.host_overlaps_device else 2 * ctx.action_overhead_ms(gpu_type)
     act = 0.0

@@ -119,8 +119,12 @@ class Search:
         return any(pin is not None for pin in (o.stage_layout, o.layer_counts, o.microbatch_size, o.schedule))
 
     def bound_ms(self, layout: Layout, degrees: tuple[int, ...], m: int, interleave: int = 1) -> float:
-        """:func:`.bound.lower_bound_ms` of ``layout`` with each stage at TP degree ``degrees`` (empty: none)."""
-        return lower_bound_ms(self.ctx, layout, m, self.global_batch_size, interleave, degrees or None)
+        """:func:`.bound.lower_bound_ms` of ``layout`` with each stage at TP degree ``degrees`` (empty: none), once
+        per arguments (a layout's candidate is bounded by its TP variants' bounds, which queue them again)."""
+        return self.ctx.memo(
+            ("bound", layout, degrees, m, interleave),
+            lambda: lower_bound_ms(self.ctx, layout, m, self.global_batch_size, interleave, degrees or None),
+        )
 
     @property
     def tensor_parallel_degrees(self) -> tuple[int, ...]:
@@ -156,24 +160,23 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
     the same)."""
     kind = Kind.PROGRAM if search.options.layer_counts is not None else Kind.SPLIT
     for layout in search.layouts:
-        splits = [s for s in (search.split_over(layout, t) for t in search.tensor_parallel_degrees) if s]
         for m in search.sizes:
             bound = search.bound_ms(layout, (), m)
-            family = min([bound] + [search.bound_ms(*s, m) for s in splits])  # it stands for its TP variants until drafted
-            yield Candidate(family, kind, layout, m)
+            yield Candidate(bound, kind, layout, m)
             if len(layout) == 1 and len(layout[0]) > 1:
                 yield Candidate(bound, Kind.GATHERED, layout, m)
+            yield from tensor_parallel_variants(search, layout, m)
     for ranks, build, searched in baselines:
         bound = min(any_layout_lower_bound_ms(search.ctx, ranks, m, search.global_batch_size) for m in search.sizes)
         same = [search.bound_ms(l, (), m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
         yield Candidate(max(bound, min(same, default=bound)), Kind.BASELINE, (ranks,), baseline=build)
 
 
-def tensor_parallel_variants(search: Search, layout: Layout, m: int, plain: Plan | None) -> Iterator[Candidate]:
-    """``layout`` at size ``m`` with its stages split over TP groups, at each degree some stage admits, each
-    with ``plain``, the draft of the layout without TP it is keyed by until drafted (:meth:`.loop._Loop._refined`)."""
+def tensor_parallel_variants(search: Search, layout: Layout, m: int) -> Iterator[Candidate]:
+    """``layout`` at size ``m`` with its stages split over TP groups, at each degree some stage admits (keyed, until
+    drafted, by the draft of the layout without TP too: :meth:`.loop._Loop._refined`)."""
     for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
-        yield Candidate(search.bound_ms(*split, m), Kind.SPLIT, split[0], m, plan=plain, tensor_parallel=split[1])
+        yield Candidate(search.bound_ms(*split, m), Kind.SPLIT, split[0], m, tensor_parallel=split[1])
 
 
 def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bool, programs_left: bool) -> Iterator[Candidate]:
