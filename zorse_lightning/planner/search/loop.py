@@ -36,8 +36,9 @@ from zorse_lightning.planner.search.fit import (
 from zorse_lightning.planner.search.heuristic import HEURISTIC
 from zorse_lightning.planner.search.ilp import SOLVER_NAME
 from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
+from zorse_lightning.planner.search.notes import plan_notes
 from zorse_lightning.planner.search.space import (
-    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders,
+    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders, structure,
 )
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.schedule.plan import Plan, SolverRecord
@@ -87,10 +88,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _structure(plan: Plan) -> tuple:
-    return plan.microbatch_size, tuple((s.ranks, s.layers, s.tensor_parallel) for s in plan.stages)
 
 
 def _margin(candidate: Candidate, world_size: int) -> float:
@@ -183,8 +180,8 @@ class _Loop:
                 if plans is not None and candidate.kind in (Kind.SPLIT, Kind.PROGRAM):
                     self._follow(candidate, plans)
             chosen = self.choice.chosen
-            if chosen is not None and simulated(chosen) and _structure(chosen) not in self.ordered:
-                self.ordered.add(_structure(chosen))
+            if chosen is not None and simulated(chosen) and structure(chosen) not in self.ordered:
+                self.ordered.add(structure(chosen))
                 for order in other_orders(self.search, chosen):
                     self._push(order)
 
@@ -264,7 +261,7 @@ class _Loop:
         draft = interleaved_draft(self.search, c.plan, c.interleave)
         base_ms, ms = self._base(c.plan).iteration_ms, draft.predicted.iteration_ms
         crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
-        self.refusals.setdefault(_structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
+        self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
         return draft
 
     def _split_draft(self, layout, m: int, degrees: tuple[int, ...]) -> Plan | None:
@@ -292,12 +289,12 @@ class _Loop:
 
         if past(c.draft):
             return []
-        return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(_structure(c.plan), []))
+        return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(structure(c.plan), []))
 
     def _base(self, plan: Plan):
         """``plan``'s closed form without memory, priced once per structure (a split's draft and its fitted
         plan share their pipeline; only what follows the last backward may differ)."""
-        key = _structure(plan)
+        key = structure(plan)
         if key not in self.bases:
             self.bases[key] = plan_cost(self.search.ctx, plan, memory=False)
         return self.bases[key]
@@ -333,81 +330,8 @@ class _Loop:
             SOLVER_NAME, f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated",
             best.solver.objective_ms,
         )
-        notes = list(search.notes)
-        baseline = next((n.removeprefix("baseline: ") for n in best.notes if n.startswith("baseline: ")), None)
-        if baseline:
-            notes.append(f"a baseline's plan ({baseline}): no candidate of the search beat it")
-        if any(s.gather_per_microbatch for s in best.stages):
-            rounds = max(max(s.microbatches_per_rank) for s in best.stages)
-            notes.append(f"every parameter sharded and gathered block by block for each microbatch ({rounds} "
-                         f"round{'s' * (rounds != 1)} of gathers a step): the fastest plan that fits")
-        notes += [n for n in (
-            choice.idle_note(search.gpu_type), self._interleave_note(best), self._tensor_parallel_note(best), self._prediction_note(best),
-        ) if n]
+        notes = plan_notes(search, choice, self.refusals, best)
         return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=tuple(notes))
-
-    def _interleave_note(self, best: Plan) -> str | None:
-        """What interleaving gained and what made it fit, or why the interleavings the search tried lost."""
-        alike = lambda p: p.idle_ranks == best.idle_ranks  # noqa: E731
-        plain = self.choice.best(lambda p: p.interleave == 1 and alike(p))
-        woven = self.choice.best(lambda p: p.interleave > 1 and alike(p))
-        if plain is None or (woven is None and not self.refusals.get(_structure(plain))):
-            return None
-        plain_ms = plain.predicted.iteration_ms
-        if best.interleave > 1:
-            counts = [sum(best.stages[s].num_layers for s in best.stages_of_group(g)) for g in range(best.num_groups)]
-            offloading = [g for g, s in enumerate(best.rank_groups) if s.offload_activations]
-            fitted = f"; offloading activations on groups {offloading}" if offloading else ""
-            return (
-                f"interleaved x{best.interleave}: each group of ranks holds {best.interleave} layer chunks (layers "
-                f"{counts}{fitted}); the engine's programs, simulated, {1 - best.predicted.iteration_ms / plain_ms:.1%} "
-                f"faster than the fastest plan without ({best.predicted.iteration_ms:.1f} against {plain_ms:.1f} ms)"
-            )
-        tried = list(dict.fromkeys(self.refusals.get(_structure(plain), [])))
-        if woven is not None:
-            how = "simulated" if woven.predicted.closed_form_ms is not None else "in the closed form"
-            tried.insert(0, f"the fastest priced, x{woven.interleave}, {woven.predicted.iteration_ms:.1f} ms {how}")
-        return f"not interleaved (each must beat {plain_ms:.1f} ms, the plan's time, by {INTERLEAVE_MARGIN:.1%}): {'; '.join(tried)}"
-
-    def _tensor_parallel_note(self, best: Plan) -> str | None:
-        """Which stages split their blocks over TP groups and what that gained, or why no stage could."""
-        split = lambda p: any(s.tensor_parallel > 1 for s in p.stages)  # noqa: E731
-        if not split(best):
-            support = self.search.ctx.profile.tensor_parallel
-            if not support.degrees:
-                return f"no tensor parallelism: {support.reason}"
-            if not self.search.tensor_parallel_degrees:
-                return None  # max_tp=1, or pinned layer counts
-            fastest = self.choice.best(split)
-            return "not tensor parallel: " + (
-                f"the fastest plan with TP the search priced, {fastest.predicted.iteration_ms:.1f} ms, against "
-                f"{best.predicted.iteration_ms:.1f} ms" if fastest else "no plan with TP could beat it by its bound"
-            )
-        plain = self.choice.best(lambda p: not split(p))
-        stages = [f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(best.stages) if s.tensor_parallel > 1]
-        against = "" if plain is None else (
-            f", {1 - best.predicted.iteration_ms / plain.predicted.iteration_ms:.1%} faster than the fastest plan without "
-            f"({best.predicted.iteration_ms:.1f} against {plain.predicted.iteration_ms:.1f} ms)"
-        )
-        return f"tensor parallel ({', '.join(stages)}): each block split over a TP group of GPUs of one type on one machine{against}"
-
-    def _prediction_note(self, plan: Plan) -> str:
-        """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
-        choice = self.choice
-        simulated = f"{choice.simulated} of {len(choice.pool)} plans the search priced were simulated ({choice.simulated_work:,} units of 2 V M R)"
-        if plan.predicted.closed_form_ms is None:
-            why = "its stages gather parameters per microbatch, which the simulation does not play" if not simulable(plan) else (
-                f"simulating its programs (2 V M R = {work_of(plan):,}) would take more than the search's budget left"
-            )
-            return f"predicted by the cost model's closed form: {why}; {simulated}"
-        closed, ms = plan.predicted.closed_form_ms, plan.predicted.iteration_ms
-        if not simulable(plan):
-            return (f"predicted by the closed form ({closed:.1f} ms) times what the simulation of the same pipeline "
-                    f"without gathers says of its closed form: {ms:.1f} ms; {simulated}")
-        return (
-            f"predicted by the simulation of the engine's programs: {ms:.1f} ms; the closed form says {closed:.1f} ms "
-            f"({closed / ms - 1:+.1%}); {simulated}"
-        )
 
 
 __all__ = ["ProgramLog", "ProgramRun", "all_baselines", "make_plan"]

@@ -151,6 +151,11 @@ class Search:
         return self.ctx.inventory.gpus[rank].gpu_type.name
 
 
+def structure(plan: Plan) -> tuple:
+    """What makes two plans the same pipeline: microbatch size, and each stage's ranks, layers and TP degree."""
+    return plan.microbatch_size, tuple((s.ranks, s.layers, s.tensor_parallel) for s in plan.stages)
+
+
 def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], Callable[[], Plan | None], bool]]) -> Iterator[Candidate]:
     """Every layout at every microbatch size (split by the heuristic, or by the program where layer counts
     are pinned), the one-stage layouts gathered per microbatch too (pipelines are where their split needs
