@@ -25,7 +25,7 @@ from zorse_lightning.planner.cost.compute import (
 from zorse_lightning.planner.cost.boundaries import routes
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import memory_overruns, plan_cost, prediction
-from zorse_lightning.planner.cost.memory import reserve_gib
+from zorse_lightning.planner.cost.framework_memory import reserve_gib
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.planner.rounding import proportional_counts

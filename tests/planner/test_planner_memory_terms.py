@@ -9,11 +9,10 @@ import pytest
 
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
+from zorse_lightning.planner.cost.framework_memory import NcclBuffers, nccl_communicators
 from zorse_lightning.planner.cost.memory import (
-    NcclBuffers,
     RankMemory,
     activation_bytes_per_microbatch,
-    nccl_communicators,
     optimizer_step_bytes,
     profile_state_bytes,
     stage_state_bytes,

@@ -52,7 +52,7 @@ class GpuType:
     nccl_communicator_bytes: int | None = None
     """Device memory one NCCL communicator took on this type, outside torch's allocator: measured at setup (the
     largest of its ranks', :mod:`zorse_lightning.engine.nccl_memory`); None: priced from NCCL's settings
-    (:class:`zorse_lightning.planner.cost.memory.NcclBuffers`)."""
+    (:class:`zorse_lightning.planner.cost.framework_memory.NcclBuffers`)."""
     tensor_parallel_efficiency: float = DEFAULT_TENSOR_PARALLEL_EFFICIENCY
     """One-GPU block time / (``t`` x the time of its ``1/t`` split on one of ``t`` GPUs of this type), collectives
     apart: what the planner prices a tensor-parallel block's compute by where no profile measured it, and what an

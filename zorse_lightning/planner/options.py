@@ -44,7 +44,7 @@ class PlannerOptions:
     context, allocator slack, NCCL's buffers). None: 0.5 GiB for the context and slack, on an
     emulated cluster scaled by each rank's memory budget over its GPU type's memory, and on real
     GPUs NCCL's buffers besides, priced per communicator the plan gives the rank
-    (:class:`~zorse_lightning.planner.cost.memory.NcclBuffers`)."""
+    (:class:`~zorse_lightning.planner.cost.framework_memory.NcclBuffers`)."""
     allow_idle_ranks: bool = SUPPORTS_IDLE_RANKS
     """Let plans leave the slowest GPU types idle when they would slow the rest down.
     Defaults to what the engine executes (:data:`SUPPORTS_IDLE_RANKS`); False: every rank works."""

@@ -11,8 +11,9 @@ from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner.cost.comm import LinkTable
 from zorse_lightning.planner.cost.compute import MicrobatchTimes, stage_microbatch_times, with_offload_copies
+from zorse_lightning.planner.cost.framework_memory import NcclBuffers, nccl_communicators, reserve_gib
 from zorse_lightning.planner.cost.memory import (
-    NcclBuffers, RankMemory, nccl_communicators, offloaded_bytes_per_microbatch, reserve_gib,
+    RankMemory, offloaded_bytes_per_microbatch,
 )
 from zorse_lightning.planner.cost.tensor_parallel import split_device_times, tensor_parallel_efficiency
 from zorse_lightning.profiling.profile import ModelProfile
@@ -56,7 +57,7 @@ class CostContext:
     """Memo of :func:`.simulate.simulate`: the interleaving choice simulates the search's best plan,
     and the search then predicts the plan it returns by the same simulation (seconds at 1024 GPUs)."""
     _programs: dict = field(default_factory=dict, compare=False, repr=False)
-    """Memo of :func:`.evaluate.schedule_programs`: an interleaved plan's programs, recorded once for its
+    """Memo of :func:`.recorded_programs.schedule_programs`: an interleaved plan's programs, recorded once for its
     memory and its simulation (a play of the 1F1B schedule takes seconds at 1024 GPUs)."""
 
     def microbatch_times(
@@ -144,7 +145,7 @@ class CostContext:
         self, rank: int, group_widths: tuple[int, ...], group_index: int | None, pipelined: bool, tensor_parallel: int = 1
     ) -> float:
         """NCCL's memory on ``rank``, of group ``group_index`` (None: idle) of a plan whose groups of ranks have
-        ``group_widths`` (see :func:`~.memory.nccl_communicators`)."""
+        ``group_widths`` (see :func:`~.framework_memory.nccl_communicators`)."""
         if not self.nccl_communicator_bytes:
             return 0.0
         communicators = nccl_communicators(group_widths, group_index, pipelined, tensor_parallel)

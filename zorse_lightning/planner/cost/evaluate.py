@@ -43,8 +43,8 @@ from zorse_lightning.planner.cost.memory import (
 )
 from zorse_lightning.planner.cost.tensor_parallel import rank_parameters, stage_rank_times, tensor_parallel_sync_ms
 from zorse_lightning.schedule.plan import Plan, Prediction, StagePlan
-from zorse_lightning.schedule.p2p_batches import P2PBatch, rank_batches
-from zorse_lightning.schedule.programs import Action, ActionKind, played_programs
+from zorse_lightning.schedule.programs import Action, ActionKind
+from zorse_lightning.planner.cost.recorded_programs import schedule_programs
 from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
 from zorse_lightning.units import bytes_to_gib
 
@@ -247,50 +247,6 @@ def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
     if not stage.offload_activations:
         return 0.0
     return offload_working_bytes(ctx.profile, stage.layers, plan.microbatch_size, stage.recompute)
-
-
-def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
-    """The engine's programs of ``plan`` (:func:`..schedule.played_programs`: covered, and played to
-    the end), once per plan shape in this context: the order of a rank's actions follows its stages'
-    ranks and microbatch shares, not their layers, sharding, activations or prediction (the remedies of
-    an interleaving degree that does not fit, layers moved or activations offloaded, record none again)."""
-    return _played(ctx, plan).programs
-
-
-def schedule_batches(ctx: CostContext, plan: Plan) -> tuple[tuple[P2PBatch, ...], ...]:
-    """What each rank of ``plan`` posts to its peers, in order (:func:`..p2p_batches.rank_batches`, as
-    :func:`..schedule.build_schedule` gives the engine), once per plan shape in this context, as
-    :func:`schedule_programs`: only the plans whose messages are played under NCCL's rules need them."""
-    played = _played(ctx, plan)
-    if played.batches is None:
-        played.batches = rank_batches(plan, played.programs, played.grid)
-    return played.batches
-
-
-@dataclass
-class _Played:
-    """One plan shape's programs and unit-step grid (:func:`..schedule.played_programs`), and its batches
-    once asked for."""
-
-    programs: tuple[tuple[Action, ...], ...]
-    grid: tuple[tuple[Action | None, ...], ...]
-    batches: tuple[tuple[P2PBatch, ...], ...] | None = None
-
-
-def programs_recorded(ctx: CostContext, plan: Plan) -> bool:
-    """Whether ``plan``'s shape has its programs recorded in ``ctx`` already (pricing it records none)."""
-    return _shape(plan) in ctx._programs
-
-
-def _shape(plan: Plan) -> tuple:
-    return plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank) for s in plan.stages)
-
-
-def _played(ctx: CostContext, plan: Plan) -> _Played:
-    key = _shape(plan)
-    if key not in ctx._programs:
-        ctx._programs[key] = _Played(*played_programs(plan))
-    return ctx._programs[key]
 
 
 def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], host: bool = False) -> tuple[float, ...]:

@@ -52,7 +52,8 @@ from typing import NamedTuple
 from zorse_lightning.capabilities import P2PRules
 from zorse_lightning.planner.cost.compute import MicrobatchTimes
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction, schedule_batches, schedule_programs
+from zorse_lightning.planner.cost.evaluate import PlanCost, plan_cost, prediction
+from zorse_lightning.planner.cost.recorded_programs import schedule_batches, schedule_programs
 from zorse_lightning.planner.cost.events import EventKind, Route, Timeline, TimelineEvent, message_route
 from zorse_lightning.planner.cost.stream_play import StreamPlay
 from zorse_lightning.schedule.plan import Plan

@@ -24,7 +24,8 @@ from dataclasses import replace
 from zorse_lightning.cluster.inventory import ClusterInventory
 from zorse_lightning.planner import baselines
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import plan_cost, prediction, programs_recorded
+from zorse_lightning.planner.cost.evaluate import plan_cost, prediction
+from zorse_lightning.planner.cost.recorded_programs import programs_recorded
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning import capabilities
 from zorse_lightning.planner.options import PlannerOptions
