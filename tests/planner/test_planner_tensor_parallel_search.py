@@ -65,7 +65,7 @@ def test_tp_is_not_chosen_where_it_does_not_win(cluster: str) -> None:
     without = make_plan(inventory, profile, 8 * inventory.world_size, PlannerOptions(max_tp=1))
     assert all(s.tensor_parallel == 1 for s in plan.stages)
     assert plan.stages == without.stages
-    assert any(n.startswith("not tensor parallel: ") for n in plan.notes)
+    assert any(n.startswith("not tensor parallel (each must beat ") for n in plan.notes)
     assert not any("tensor parallel" in n for n in without.notes)
 
 

@@ -26,7 +26,7 @@ IDLE_MARGIN = 0.02
 using every GPU to be chosen."""
 INTERLEAVE_MARGIN = 0.005
 """How much faster, in the simulation of the engine's programs, an interleaved plan must be than the fastest
-plan without interleaving. The simulation prices what interleaving adds (V times the messages, the chunk
+plan without interleaving (and a plan with tensor parallelism than the fastest without). The simulation prices what interleaving adds (V times the messages, the chunk
 order the engine runs) and the interleaved plan's memory is priced from its own programs, so the margin only
 breaks near-ties towards the plainer plan. At 2 % it kept out a structure the simulation puts 0.9 % ahead
 (four one-machine groups interleaved x3 on a cluster of four types, ``tests/planner/test_planner_ranking.py``),
@@ -66,14 +66,16 @@ def price(ctx: CostContext, plan: Plan) -> Plan:
     return with_simulated_prediction(ctx, plan) if simulable(plan) else plan
 
 
-def margin(idle: bool, interleaved: bool) -> float:
-    """The factor a plan's time is divided by when plans are compared: the margins it must win by."""
-    return (1 - IDLE_MARGIN) ** idle * (1 - INTERLEAVE_MARGIN) ** interleaved
+def margin(idle: bool, interleaved: bool, split: bool = False) -> float:
+    """The factor a plan's time is divided by when plans are compared: the margins it must win by (``split``:
+    some stage tensor parallel, held to the interleaving margin: both add messages per microbatch that a
+    plainer plan does not send)."""
+    return (1 - IDLE_MARGIN) ** idle * (1 - INTERLEAVE_MARGIN) ** (interleaved + split)
 
 
 def handicap(plan: Plan) -> float:
     """:func:`margin` of ``plan``."""
-    return margin(bool(plan.idle_ranks), plan.interleave > 1)
+    return margin(bool(plan.idle_ranks), plan.interleave > 1, any(s.tensor_parallel > 1 for s in plan.stages))
 
 
 def _ms(plan: Plan) -> float:

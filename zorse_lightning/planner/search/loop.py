@@ -95,7 +95,7 @@ def _margin(candidate: Candidate, world_size: int) -> float:
     """The handicap of every plan ``candidate`` can give (:func:`.choice.handicap`)."""
     if candidate.kind is Kind.SIMULATED:
         return handicap(candidate.plan)
-    return margin(sum(map(len, candidate.layout)) < world_size, candidate.interleave > 1)
+    return margin(sum(map(len, candidate.layout)) < world_size, candidate.interleave > 1, bool(candidate.tensor_parallel))
 
 
 class _Loop:

@@ -59,14 +59,14 @@ def _tensor_parallel_note(search: Search, choice: Choice, best: Plan) -> str | N
         if not search.tensor_parallel_degrees:
             return None  # max_tp=1, or pinned layer counts
         fastest = choice.best(split)
-        return "not tensor parallel: " + (
-            f"the fastest plan with TP the search priced, {fastest.predicted.iteration_ms:.1f} ms, against "
-            f"{best.predicted.iteration_ms:.1f} ms" if fastest else "no plan with TP could beat it by its bound"
+        return f"not tensor parallel (each must beat {best.predicted.iteration_ms:.1f} ms by {INTERLEAVE_MARGIN:.1%}): " + (
+            f"the fastest plan with TP the search priced, {fastest.predicted.iteration_ms:.1f} ms" if fastest
+            else "no plan with TP could by its bound"
         )
     plain = choice.best(lambda p: not split(p))
     stages = [f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(best.stages) if s.tensor_parallel > 1]
     against = "" if plain is None else (
-        f", {1 - best.predicted.iteration_ms / plain.predicted.iteration_ms:.1%} faster than the fastest plan without "
+        f", {1 - best.predicted.iteration_ms / plain.predicted.iteration_ms:.2%} faster than the fastest plan without "
         f"({best.predicted.iteration_ms:.1f} against {plain.predicted.iteration_ms:.1f} ms)"
     )
     return f"tensor parallel ({', '.join(stages)}): each block split over a TP group of GPUs of one type on one machine{against}"
