@@ -15,11 +15,8 @@ from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.models.gpt import GPT
 from zorse_lightning.module.blocks import find_block_list
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.startup.tensor_parallel_support import (
-    largest_tensor_parallel_group,
-    module_tensor_parallel,
-    unsaid,
-)
+from zorse_lightning.startup.profiled_sizes import unsaid
+from zorse_lightning.startup.tensor_parallel_support import largest_tensor_parallel_group, module_tensor_parallel
 from zorse_lightning.strategy.trainer_inputs import strategy_tp_plan
 
 

@@ -24,8 +24,7 @@ from zorse_lightning.planner.search import make_plan
 from zorse_lightning.profiling import warn_if_mixed_sources
 from zorse_lightning.reporting.plan_table import print_plan
 from zorse_lightning.reporting.timeline import draw_plan_timeline
-from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
-from zorse_lightning.startup.tensor_parallel_support import unsaid
+from zorse_lightning.startup.profiled_sizes import unsaid, within_profiled_sizes
 
 
 @report_user_errors

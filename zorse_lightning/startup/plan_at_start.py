@@ -65,9 +65,9 @@ from zorse_lightning.startup.device_profile import DeviceInputs, measure_on_devi
 from zorse_lightning.startup.link_probe import (
     MAX_PROBE_BYTES, MIN_PROBE_BYTES, probe_bytes, probe_machines, with_measured_rates,
 )
-from zorse_lightning.startup.profiled_sizes import within_profiled_sizes
+from zorse_lightning.startup.profiled_sizes import unsaid, within_profiled_sizes
 from zorse_lightning.startup.step_costs import OptimizerFactory
-from zorse_lightning.startup.tensor_parallel_support import module_tensor_parallel, unsaid
+from zorse_lightning.startup.tensor_parallel_support import module_tensor_parallel
 
 MANUAL_OPTIMIZATION_REASON = (
     "the module optimises by hand (automatic_optimization=False), so the engine cannot own its backward and "

@@ -7,6 +7,7 @@ priced off the measured points, so a plan never rests on a size no device ran.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from zorse_lightning.errors import PlanningError
@@ -28,6 +29,13 @@ class ProfiledModel:
     """Why the module's blocks admit no tensor-parallel degree on a cluster that could hold a TP group (for the
     plan's notes; :func:`~zorse_lightning.startup.tensor_parallel_support.module_tensor_parallel`); empty: nothing
     to say."""
+
+
+def unsaid(note: str, reason: str, notes: Sequence[str]) -> tuple[str, ...]:
+    """``(note,)`` where no note of ``notes`` gives ``reason`` already (the search notes a profile's reason for
+    no TP itself: :mod:`zorse_lightning.planner.search.notes`), else ``()``; ``()`` for an empty note."""
+    return (note,) if note and not any(reason in said for said in notes) else ()
+
 
 def sizes_to_profile(options: PlannerOptions, samples: int) -> tuple[int, ...]:
     """Microbatch sizes start-up measures: 1, 2, 4, ... and the planner's candidates up to the ``samples`` a

@@ -19,7 +19,7 @@ nor above the planner options' ``max_tp``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -47,12 +47,6 @@ class ModuleTensorParallel:
     """For the plan's notes where the cluster could hold a TP group but the module's blocks admit no degree
     (why, in the words of :func:`~zorse_lightning.module.tensor_parallel.admitted_degrees`); empty otherwise: a
     cluster without two GPUs of a type on one machine, or ``max_tp=1``, is no news about the module."""
-
-
-def unsaid(note: str, reason: str, notes: Sequence[str]) -> tuple[str, ...]:
-    """``(note,)`` where no note of ``notes`` gives ``reason`` already (the search notes a profile's reason for
-    no TP itself: :mod:`zorse_lightning.planner.search.loop`), else ``()``; ``()`` for an empty note."""
-    return (note,) if note and not any(reason in said for said in notes) else ()
 
 
 def gpus_of_one_type_per_machine(inventory: ClusterInventory) -> int:
