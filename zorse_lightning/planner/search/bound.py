@@ -80,12 +80,17 @@ def _split_layer_ms(ctx: CostContext, layout: Layout, degrees: tuple[int, ...], 
             out.update({u: ctx.fastest_layer_ms(u[0], m) for u in {_unit(ctx, r, 1) for r in ranks}})
             continue
         for start in range(0, len(ranks), t):
-            unit = _unit(ctx, ranks[start], t)
-            group = tuple(sorted(ranks[start : start + t]))
-            collectives = 2 * ALL_REDUCES_PER_PASS * ctx.links.all_reduce_ms(group, message_bytes) if t > 1 else 0.0
-            ms = ctx.fastest_layer_ms(unit[0], m) * split_factor(ctx, *unit) + collectives
+            group = ranks[start : start + t]
+            unit, ms = ctx.memo(("split layer", group, m), lambda: _group_layer_ms(ctx, group, m, message_bytes))
             out[unit] = min(out.get(unit, ms), ms)
     return out
+
+
+def _group_layer_ms(ctx: CostContext, group: tuple[int, ...], m: int, message_bytes: float) -> tuple[tuple[str, int], float]:
+    """A TP group's unit and the least time of one microbatch through a layer on it."""
+    unit = _unit(ctx, group[0], len(group))
+    collectives = 2 * ALL_REDUCES_PER_PASS * ctx.links.all_reduce_ms(tuple(sorted(group)), message_bytes)
+    return unit, ctx.fastest_layer_ms(unit[0], m) * split_factor(ctx, *unit) + collectives
 
 
 def _unit(ctx: CostContext, rank: int, degree: int) -> tuple[str, int]:
