@@ -15,7 +15,7 @@ from zorse_lightning.planner.cost.framework_memory import NcclBuffers, nccl_comm
 from zorse_lightning.planner.cost.memory import (
     RankMemory, offloaded_bytes_per_microbatch,
 )
-from zorse_lightning.planner.cost.tensor_parallel import split_device_times, tensor_parallel_efficiency
+from zorse_lightning.planner.cost.tensor_parallel import split_device_times, split_factor
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.units import gbps_to_bytes_per_s, gib_to_bytes
 
@@ -92,9 +92,7 @@ class CostContext:
         if tensor_parallel == 1:
             return device
         if (gpu_type, tensor_parallel) not in self._split_devices:
-            kind = next(t for t in self.inventory.gpu_types if t.name == gpu_type)
-            efficiency = tensor_parallel_efficiency(device, kind, tensor_parallel)
-            self._split_devices[gpu_type, tensor_parallel] = split_device_times(device, tensor_parallel, efficiency)
+            self._split_devices[gpu_type, tensor_parallel] = split_device_times(device, split_factor(self, gpu_type, tensor_parallel))
         return self._split_devices[gpu_type, tensor_parallel]
 
     def offload_copy_ms(self, gpu_type: str, layers: tuple[int, int], microbatch_size: int, recompute: bool = False) -> float:

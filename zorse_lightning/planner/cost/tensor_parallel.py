@@ -64,10 +64,9 @@ def tensor_parallel_efficiency(device: DeviceTimes, gpu_type: GpuType, degree: i
     return measured if measured is not None else gpu_type.tensor_parallel_efficiency
 
 
-def split_device_times(device: DeviceTimes, degree: int, efficiency: float) -> DeviceTimes:
-    """``device``'s times with every layer split ``degree`` ways at ``efficiency`` (one-GPU time / (degree x
-    efficiency)); the embedding and head whole."""
-    factor = 1.0 / (degree * efficiency)
+def split_device_times(device: DeviceTimes, factor: float) -> DeviceTimes:
+    """``device``'s times with every layer's scaled by ``factor`` (:func:`split_factor`: split over a TP group);
+    the embedding and head whole."""
     return replace(device, layers=tuple(layer.scaled(factor) for layer in device.layers))
 
 
@@ -89,7 +88,7 @@ def layer_terms(
     ctx: CostContext, group: Sequence[int], degree: int, microbatch_size: int, recompute: bool
 ) -> tuple[float, float]:
     """(factor, ms) that give a layer's time per microbatch on TP group ``group`` (ranks of one type) from its
-    one-GPU time: times ``factor`` (:func:`split_device_times`), plus ``ms`` of all-reduces (the largest layer
+    one-GPU time: times ``factor`` (:func:`split_factor`), plus ``ms`` of all-reduces (the largest layer
     output's, :func:`block_collectives_ms`); (1, 0) at degree 1. For splits that balance layers by count."""
     if degree == 1:
         return 1.0, 0.0

@@ -39,6 +39,7 @@ from zorse_lightning.planner.search.problem import (
     Candidate as ProgramCandidate,
     build_problem,
     layout_plan,
+    level_with,
     stage_plan,
     to_plan,
     with_free_memory_shards,
@@ -253,7 +254,7 @@ def _sharded(search: Search, plan: Plan) -> Plan | None:
     """``plan`` with its unsharded stages of several replicas sharded as the search shards them, a TP stage
     at a level TP runs (None: none)."""
     stages = tuple(
-        replace(s, sharding=SEARCH_SHARDING if s.tensor_parallel == 1 else Sharding.OPTIMIZER)
+        replace(s, sharding=level_with(SEARCH_SHARDING, s.tensor_parallel))
         if len(s.replicas) > 1 and s.sharding is Sharding.NONE else s for s in plan.stages
     )
     return with_free_memory_shards(search.ctx, replace(plan, stages=stages, predicted=None)) if stages != plan.stages else None

@@ -194,7 +194,7 @@ class _Loop:
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
-        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it (a TP split: it alone)
+        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
             return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
             plain = self._split_draft(tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())

@@ -267,8 +267,7 @@ def stage_plan(
     (:data:`~zorse_lightning.capabilities.TENSOR_PARALLEL_SHARDING`: ``optimizer`` for any other)."""
     gpus = [ctx.inventory.gpus[r] for r in ranks]
     sharded = len(ranks) > tensor_parallel
-    if tensor_parallel > 1 and sharding not in TENSOR_PARALLEL_SHARDING:
-        sharding = Sharding.OPTIMIZER
+    sharding = level_with(sharding, tensor_parallel)
     return StagePlan(
         ranks=tuple(ranks),
         gpu_types=tuple(g.gpu_type.name for g in gpus),
@@ -280,6 +279,12 @@ def stage_plan(
         gather_per_microbatch=gather_per_microbatch and sharded,
         tensor_parallel=tensor_parallel,
     )
+
+
+def level_with(sharding: Sharding, tensor_parallel: int) -> Sharding:
+    """``sharding``, or ``optimizer`` where a stage of TP degree ``tensor_parallel`` does not run it (the one
+    level of :data:`~zorse_lightning.capabilities.TENSOR_PARALLEL_SHARDING` that shards anything)."""
+    return sharding if tensor_parallel == 1 or sharding in TENSOR_PARALLEL_SHARDING else Sharding.OPTIMIZER
 
 
 def layout_plan(ctx: CostContext, stages, global_batch_size: int, microbatch_size: int, schedule: Schedule, **fields) -> Plan:
