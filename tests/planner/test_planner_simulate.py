@@ -90,9 +90,10 @@ def test_data_parallel_stage_is_busy_time_plus_all_reduce_plus_optimizer_step() 
 def _check_schedule_rules(plan: Plan, timeline) -> None:
     compute = [e for e in timeline.events if e.kind in (EventKind.FORWARD, EventKind.BACKWARD)]
     stage_of = {r: i for i, s in enumerate(plan.stages) for r in s.ranks}
-    # every microbatch once forward and once backward on every stage
-    counts = Counter((stage_of[e.rank], e.kind, e.microbatch) for e in compute)
-    assert len(counts) == 2 * len(plan.stages) * plan.num_microbatches and set(counts.values()) == {1}
+    # every microbatch once forward and once backward on every stage (on each rank of a TP group)
+    counts = Counter((stage_of[e.rank], plan.stages[stage_of[e.rank]].tensor_index(e.rank), e.kind, e.microbatch) for e in compute)
+    degrees = sum(s.tensor_parallel for s in plan.stages)
+    assert len(counts) == 2 * degrees * plan.num_microbatches and set(counts.values()) == {1}
     # a rank computes one thing at a time
     for rank in stage_of:
         mine = sorted((e.start_ms, e.end_ms) for e in compute if e.rank == rank)
@@ -244,3 +245,40 @@ def test_on_gloos_transport_a_pair_of_ranks_moves_one_message_at_a_time() -> Non
 
     assert overlaps(_inventory()) > 0
     assert overlaps(replace(_inventory(), emulated=True)) == 0
+
+
+def test_a_tp_group_runs_each_action_at_once_and_its_messages_share_a_link() -> None:
+    """Two TP pairs on two machines behind 100 Mbit/s: each rank of stage 0's pair sends its activation to the
+    rank of the same index in stage 1's, both over the one link between the machines, one after the other. The
+    all-reduces inside a TP block hold a group together, so stage 1's pair starts each forward once the later
+    of its two messages is in, under either rules: the closed form's crossing is both messages (the fill pays
+    it at every boundary, which a play that let the first rank run ahead paid only once)."""
+    from zorse_lightning.profiling.profile import TensorParallelSupport
+
+    a100 = DEFAULT_CATALOG.get("a100x40")
+    inventory = ClusterInventory(
+        "pairs", (Machine("near", (a100, a100), intra_bandwidth_gbps=100.0), Machine("far", (a100, a100), intra_bandwidth_gbps=100.0)),
+        inter_machine_bandwidth_gbps=0.1,
+    )
+    base = _profile(MESSAGE_BYTES)
+    profile = replace(base, layers=base.layers[:2], tensor_parallel=TensorParallelSupport((2,), ""))
+    stages = tuple(
+        StagePlan(ranks, ("a100x40",) * 2, (machine,) * 2, layers, (2, 2), tensor_parallel=2)
+        for ranks, machine, layers in (((0, 1), "near", (0, 1)), ((2, 3), "far", (1, 2)))
+    )
+    plan = Plan("sim", "pairs", 2, 4, 2, 1, Schedule.GPIPE, stages)
+    slow_ms = 0.020 + MESSAGE_BYTES / (0.1e9 / 8 * 0.95) * 1e3
+    for rules in P2PRules:
+        ctx = CostContext.build(inventory, profile, p2p_rules=rules)
+        cost = plan_cost(ctx, plan)
+        one_ms = cost.boundaries[0].route_ms[0][1]  # a gradient: no header
+        assert one_ms == pytest.approx(slow_ms)
+        assert cost.boundaries[0].transfer_ms == pytest.approx(2 * cost.boundaries[0].route_ms[0][0])
+        timeline = simulate(ctx, plan)
+        _check_schedule_rules(plan, timeline)
+        forwards = {r: [e for e in timeline.of_rank(r) if e.kind is EventKind.FORWARD] for r in (2, 3)}
+        assert [e.start_ms for e in forwards[2]] == pytest.approx([e.start_ms for e in forwards[3]])
+        received = max(e.end_ms for e in timeline.events if e.kind is EventKind.RECV and e.microbatch == 0 and e.rank in (2, 3))
+        assert forwards[2][0].start_ms == pytest.approx(received)
+        sent = [e for e in timeline.events if e.kind is EventKind.SEND and e.microbatch == 0 and e.rank in (0, 1)]
+        assert len(sent) == 2 and max(e.start_ms for e in sent) >= min(e.end_ms for e in sent) - 1e-9  # in turn

@@ -25,22 +25,24 @@ def _reference(model: str, inventory):
 
 
 def test_the_search_splits_a_13b_model_over_tp_groups_inside_each_machine() -> None:
-    """Llama 13B on four A100s and four V100s (32 samples a GPU): every stage a TP group of its machine's four
-    GPUs beats every plan without TP the search finds (two stages of four data-parallel GPUs, 18082.6 ms), and
-    the plan is one the engine runs: each TP group on one machine and of one type, sharded at a level TP
-    runs, no offload; the note says what TP gained."""
+    """Llama 13B on four A100s and four V100s (32 samples a GPU): every stage a TP group inside its machine (four
+    stages of TP pairs, 17262.8 ms; two of TP 4 send four copies of each activation over the one link between
+    the machines) beats every plan without TP the search finds (two stages of four GPUs gathered per
+    microbatch, 18082.6 ms), and the plan is one the engine runs: each TP group on one machine and of one type,
+    sharded at a level TP runs, no offload; the note says what TP gained."""
     inventory = load_cluster("a100x4_v100x4")
     profile = _reference("llama_13b", inventory)
     plan = make_plan(inventory, profile, 256)
     without = make_plan(inventory, profile, 256, PlannerOptions(max_tp=1))
-    assert [s.tensor_parallel for s in plan.stages] == [4, 4]
+    assert all(s.tensor_parallel > 1 for s in plan.stages)
     assert all(s.tensor_parallel == 1 for s in without.stages)
     assert plan.predicted.iteration_ms < without.predicted.iteration_ms * 0.97
     check_plan(plan, inventory)
     for stage in plan.stages:
         assert stage.sharding in TENSOR_PARALLEL_SHARDING and not stage.offload_activations
         assert all(len({stage.machines[stage.ranks.index(r)] for r in group}) == 1 for group in stage.replicas)
-    assert any(n.startswith("tensor parallel (stage 0 x4, stage 1 x4)") for n in plan.notes)
+    split = ", ".join(f"stage {i} x{s.tensor_parallel}" for i, s in enumerate(plan.stages))
+    assert any(n.startswith(f"tensor parallel ({split})") for n in plan.notes)
     assert Plan.from_json(plan.to_json()) == plan
 
 
@@ -70,16 +72,19 @@ def test_tp_is_not_chosen_where_it_does_not_win(cluster: str) -> None:
 
 
 def test_a_tp_plan_is_interleaved_where_that_wins_too() -> None:
-    """Llama 7B on the same cluster at 8 samples a GPU: the loop interleaves a TP plan as it does any other
-    (four stages of TP pairs, two chunks each, against 1959.2 ms without TP), and the engine's programs exist
-    for it."""
+    """Llama 7B on one machine of eight A100s at 2 samples a GPU (``bench/plan_scaling.py``'s smallest case):
+    fill and drain dominate, the loop interleaves a TP plan as it does any other (TP pairs, three chunks each:
+    1053.9 ms against 1282.9 ms without TP), and the engine's programs exist for it."""
+    from testing.synthetic_cluster import synthetic_cluster
     from zorse_lightning.engine.tensor_parallel import check_stage
     from zorse_lightning.schedule.programs import build_schedule
 
-    inventory = load_cluster("a100x4_v100x4")
-    plan = make_plan(inventory, _reference("llama_7b", inventory), 64)
+    inventory = synthetic_cluster(8)
+    profile = _reference("llama_7b", inventory)
+    plan = make_plan(inventory, profile, 16)
+    without = make_plan(inventory, profile, 16, PlannerOptions(max_tp=1))
     assert plan.interleave > 1 and {s.tensor_parallel for s in plan.stages} == {2}
-    assert plan.predicted.iteration_ms < 1959.2
+    assert plan.predicted.iteration_ms < 0.9 * without.predicted.iteration_ms
     check_plan(plan, inventory)
     for index in range(len(plan.stages)):
         check_stage(plan, index)

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BoundaryCost:
     transfer_ms: float
-    """Slowest single transfer of one microbatch's activation across the boundary."""
+    """Slowest crossing of one microbatch's activation: its one message, or, between TP groups, the messages of
+    its TP ranks that share a link, one after the other (each carries the whole activation, and the receiving
+    group starts once the last is in: the fill and drain pay that at every boundary). In the steady state
+    the closed form keeps one message's wait per route (:attr:`route_ms`): the group's other messages move
+    while it computes."""
     busy_ms: float
     """Busiest link's transfers per iteration, one direction (links are full duplex)."""
     routes: tuple[tuple[int, int, int], ...]
@@ -35,13 +39,19 @@ class BoundaryCost:
 def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
     """Which rank sends how many consecutive microbatches to which rank across a boundary (between TP groups,
     each pair of ranks that carries their messages: :func:`.tensor_parallel.tensor_parallel_pairs`)."""
+    return [(a, b, count) for pairs, count in _replica_routes(sender, receiver) for a, b in pairs]
+
+
+def _replica_routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[tuple[tuple[int, int], ...], int]]:
+    """Per pair of replicas that meet across a boundary, in microbatch order: the rank pairs that carry each of
+    their microbatches' messages, and how many consecutive microbatches."""
     send = [[g, n] for g, n in zip(sender.replicas, sender.microbatches_per_rank[:: sender.tensor_parallel]) if n > 0]
     recv = [[g, n] for g, n in zip(receiver.replicas, receiver.microbatches_per_rank[:: receiver.tensor_parallel]) if n > 0]
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[tuple[tuple[int, int], ...], int]] = []
     i = j = 0
     while i < len(send) and j < len(recv):
         count = min(send[i][1], recv[j][1])
-        out.extend((a, b, count) for a, b in tensor_parallel_pairs(send[i][0], recv[j][0]))
+        out.append((tensor_parallel_pairs(send[i][0], recv[j][0]), count))
         send[i][1] -= count
         recv[j][1] -= count
         i += send[i][1] == 0
@@ -59,15 +69,18 @@ def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
     message_bytes = boundary_message_bytes(ctx, plan, index)
     one_ms: dict = {}  # per link: one message
     messages: dict = {}  # per link: messages per iteration
-    route_list = routes(sender, receiver)
-    route_ms = []
-    for a, b, count in route_list:
-        key = ctx.links.link(a, b, header=True)[0]
-        route_ms.append((
-            link_transfer_ms(ctx, a, b, message_bytes, True, one_ms), link_transfer_ms(ctx, b, a, message_bytes, False, one_ms)
-        ))
-        messages[key] = messages.get(key, 0) + count
-    slowest = max((forward for forward, _ in route_ms), default=0.0)
+    route_list, route_ms = [], []
+    slowest = 0.0
+    for pairs, count in _replica_routes(sender, receiver):
+        sharing: dict = {}  # per link: this microbatch's activations on it, one after the other
+        for a, b in pairs:
+            key = ctx.links.link(a, b, header=True)[0]
+            forward = link_transfer_ms(ctx, a, b, message_bytes, True, one_ms)
+            route_list.append((a, b, count))
+            route_ms.append((forward, link_transfer_ms(ctx, b, a, message_bytes, False, one_ms)))
+            messages[key] = messages.get(key, 0) + count
+            sharing[key] = sharing.get(key, 0.0) + forward
+        slowest = max(slowest, *sharing.values())
     busiest = max((one_ms[(k, True)] * n for k, n in messages.items()), default=0.0)
     return BoundaryCost(slowest, busiest, tuple(route_list), tuple(route_ms))
 

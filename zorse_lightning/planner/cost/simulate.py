@@ -36,6 +36,10 @@ charges the fill and drain through every later element even where the busiest st
 the first). It is also shorter when a stage that ends early has the longest
 synchronisation and step: the closed form starts every stage's at the pipeline's end.
 
+A tensor-parallel stage's TP group runs each action at once, when every one of its ranks can (the
+all-reduces inside its blocks hold them together): messages of its ranks that share a link reach the
+last of them later, and that delay is paid again at every boundary.
+
 Interleaved plans play the same way: a rank's actions belong to several stages (its
 group's chunks), each priced by its own chunk's times, each message by the boundary it
 crosses (``Message.boundary``); a group synchronises and steps once, after the last
@@ -203,33 +207,48 @@ class _Play:
         )
 
     def start_of(self, rank: int) -> float | None:
-        """When the rank's next action can start, or None while a message it needs is unsent."""
+        """When the rank's next action can start, or None while a message it needs is unsent: on a
+        tensor-parallel stage, when it can start on every rank of the TP group (its all-reduces hold them
+        together: :meth:`step` runs it on all of them)."""
         upcoming = self._upcoming[rank]
-        if upcoming is None:
-            return None
-        start = self.free_at[rank]
-        for message, key, route in upcoming.receives:
-            if key not in self.sent_at:
+        return None if upcoming is None else self._received(self.plan.stages[upcoming.action.stage].tensor_group(rank), False)
+
+    def _received(self, group: tuple[int, ...], commit: bool) -> float | None:
+        """When every rank of ``group`` is free and has its next action's messages in, or None while one is
+        unsent. Each message moves once sent, its receiver's notice across and its link free; the group's
+        messages in turn where they share a link. ``commit``: move them (record them, hold their links)."""
+        held = self.link_free if commit else {}
+
+        def free(link) -> float:
+            return held.get(link, self.link_free.get(link, 0.0))
+
+        start = max(self.free_at[r] for r in group)
+        for rank in group:
+            upcoming = self._upcoming[rank]
+            if upcoming is None:
                 return None
-            start = max(start, self.moves_at(message, key, route) + route.transfer_ms)
+            for message, key, route in upcoming.receives:
+                if key not in self.sent_at:
+                    return None
+                moved = max(self.sent_at[key], self.free_at[message.dst], free(route.notice_link), free(route.link))
+                held[route.link] = moved + route.transfer_ms
+                start = max(start, moved + route.transfer_ms)
+                if commit:
+                    del self.sent_at[key]
+                    for r, kind in ((message.src, EventKind.SEND), (rank, EventKind.RECV)):
+                        self.events.append(TimelineEvent(r, kind, message.microbatch, moved, moved + route.transfer_ms, message.boundary))
         return start
 
-    def moves_at(self, message: Message, key: tuple, route: Route) -> float:
-        """When ``message`` (of :func:`_key` ``key``) starts to cross: sent, its receiver's notice across,
-        its link free."""
-        notice_ms = max(self.free_at[message.dst], self.link_free.get(route.notice_link, 0.0))
-        return max(self.sent_at[key], notice_ms, self.link_free.get(route.link, 0.0))
-
     def step(self, rank: int, start: float) -> set[int]:
-        """Run the rank's next action at ``start``: record the transfers it waited for (which
-        held their links) and the action; return the ranks its sends may let proceed."""
-        action, receives, sends = self._upcoming[rank]
-        for message, key, route in receives:
-            moved = self.moves_at(message, key, route)
-            self.link_free[route.link] = moved + route.transfer_ms
-            del self.sent_at[key]
-            for r, kind in ((message.src, EventKind.SEND), (rank, EventKind.RECV)):
-                self.events.append(TimelineEvent(r, kind, message.microbatch, moved, moved + route.transfer_ms, message.boundary))
+        """Run the rank's next action at ``start`` on every rank of its TP group (itself alone without):
+        move the messages they waited for (which held their links), record the action; return the ranks this
+        may let proceed."""
+        group = self.plan.stages[self._upcoming[rank].action.stage].tensor_group(rank)
+        self._received(group, True)
+        return set(group).union(*(self._run(peer, start) for peer in group))
+
+    def _run(self, rank: int, start: float) -> set[int]:
+        action, _, sends = self._upcoming[rank]
         times = self._times[(rank, action.stage)]
         end = start + (times.forward_ms if action.kind is ActionKind.FORWARD else times.backward_ms)
         kind = EventKind.FORWARD if action.kind is ActionKind.FORWARD else EventKind.BACKWARD

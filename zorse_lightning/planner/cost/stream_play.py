@@ -26,7 +26,11 @@ event time (:func:`..p2p_batches.play_rendezvous` checks the same rules without 
   both in turn;
 * a batch completes once all its messages have moved;
 * an action runs once the rank's host has ended the one before it and the batches
-  holding its receives have completed (a batch that only sends holds no action).
+  holding its receives have completed (a batch that only sends holds no action); on a
+  tensor-parallel stage, once that holds for every rank of its TP group: the group's
+  all-reduces inside each block hold its ranks together, so they run the action at once
+  (their programs are the same), and messages that serialise on one link cost every
+  later boundary again what they cost the first.
 
 So a receive over a fast link waits behind a send over a slow one that its rank posted
 before, and a send waits for its receiver's stream to reach the batch holding the
@@ -112,6 +116,8 @@ class StreamPlay:
     _routes: dict[tuple[int, int, int], Route] = field(default_factory=dict)
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
+    _waiting_ms: dict[int, float] = field(default_factory=dict)
+    """Ranks of a TP group whose next action could run, by when: the group runs it once all could."""
 
     def __post_init__(self) -> None:
         self._sender = {m: (r, k) for r, mine in enumerate(self.batches) for k, b in enumerate(mine) for m in b.sends}
@@ -176,7 +182,14 @@ class StreamPlay:
                 gate = stream.gates[stream.done]
                 if gate >= len(stream.completed_ms):
                     break
-                self._run_action(rank, max(stream.host_ms, stream.completed_ms[gate]) if gate >= 0 else stream.host_ms)
+                self._waiting_ms[rank] = max(stream.host_ms, stream.completed_ms[gate]) if gate >= 0 else stream.host_ms
+                group = self.plan.stages[program[stream.done].stage].tensor_group(rank)
+                if any(peer not in self._waiting_ms for peer in group):
+                    break
+                start_ms = max(self._waiting_ms.pop(peer) for peer in group)
+                for peer in group:
+                    self._run_action(peer, start_ms)
+                woken |= set(group) - {rank}
                 continue
             break
         return woken

@@ -55,8 +55,8 @@ EVEN_SPLIT = SolverRecord("even split", "stages gathered per microbatch: microba
 
 
 def split_draft(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -> Plan | None:
-    """The candidate's balanced split, unpriced and unfitted."""
-    return _balanced(search, layout, m, False, False, degrees)
+    """The candidate's balanced split, unpriced and unfitted, its state sharded evenly (it keys the queue)."""
+    return _balanced(search, layout, m, False, False, degrees, shards_by_memory=False)
 
 
 def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -> list[Plan]:
@@ -67,11 +67,13 @@ def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...] = (
     return fit(search, _balanced(search, layout, m, False, False, degrees), None, moved, lambda _: _balanced(search, layout, m, True, False, degrees))
 
 
-def _balanced(search: Search, layout, m: int, recompute: bool, within_memory: bool, degrees: tuple[int, ...] = ()) -> Plan | None:
+def _balanced(
+    search: Search, layout, m: int, recompute: bool, within_memory: bool, degrees: tuple[int, ...] = (), shards_by_memory: bool = True,
+) -> Plan | None:
     program = within_memory and build_problem(search.ctx, search.windows, _program(search, layout, m, recompute), search.global_batch_size, None)
     return balanced_plan(
         search.ctx, search.windows, layout, m, search.global_batch_size, schedule=search.schedule, recompute=recompute,
-        speeds=search.speeds, fit=program or None, degrees=degrees or None,
+        speeds=search.speeds, fit=program or None, degrees=degrees or None, shards_by_memory=shards_by_memory,
     )
 
 

@@ -86,29 +86,35 @@ def balanced_plan(
     speeds: dict[str, float],
     fit: tuple[AssignmentProblem, list[list[tuple[int, ...]]]] | None = None,
     degrees: tuple[int, ...] | None = None,
+    shards_by_memory: bool = True,
 ) -> Plan | None:
     """Microbatches as :func:`proportional_plan`, layers by :func:`balanced_layer_counts`,
     state sharded as the search shards it (:data:`.problem.SEARCH_SHARDING`); not priced yet. ``fit``: the candidate's integer program and rank
     groups, to cap each stage's layers at what its memory holds in the program's
     (conservative) memory model; None when no split then fits. ``degrees``: each stage's TP degree, its ranks
-    listed replica by replica (None: none)."""
+    listed replica by replica (None: none). ``shards_by_memory`` False: state sharded evenly, not by each GPU's
+    free memory (a draft that only keys the search's queue: the free memory costs every stage's memory)."""
     microbatches = microbatch_split(ctx, layout, global_batch_size // microbatch_size, speeds, degrees)
     max_layers = None if fit is None else _max_layers_that_fit(*fit, layout, microbatches)
     counts = balanced_layer_counts(ctx, windows, layout, microbatch_size, microbatches, recompute, max_layers, degrees)
     if counts is None:
         return None
     return _split_plan(
-        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, SEARCH_SHARDING, recompute, degrees
+        ctx, layout, counts, microbatches, microbatch_size, global_batch_size, schedule, SEARCH_SHARDING, recompute, degrees,
+        shards_by_memory,
     )
 
 
-def _split_plan(ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute, degrees=None) -> Plan:
+def _split_plan(
+    ctx, layout, layer_counts, microbatches, microbatch_size, global_batch_size, schedule, sharding, recompute, degrees=None,
+    shards_by_memory: bool = True,
+) -> Plan:
     stages, start = [], 0
     for ranks, stage_microbatches, count, t in zip(layout, microbatches, layer_counts, degrees or (1,) * len(layout)):
         stages.append(stage_plan(ctx, ranks, (start, start + count), stage_microbatches, sharding, recompute, tensor_parallel=t))
         start += count
     plan = layout_plan(ctx, stages, global_batch_size, microbatch_size, schedule, solver=HEURISTIC)
-    return with_free_memory_shards(ctx, plan)
+    return with_free_memory_shards(ctx, plan) if shards_by_memory else plan
 
 
 def _max_layers_that_fit(
