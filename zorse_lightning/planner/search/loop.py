@@ -109,6 +109,8 @@ class _Loop:
         self.order = itertools.count()
         self.solves = 0
         self.bases: dict[tuple, object] = {}
+        self.drafts: dict[tuple, Plan | None] = {}
+        """Heuristic splits in the closed form, by layout, microbatch size and TP degrees (:meth:`_split_draft`)."""
         self.floors = dict(self.choice.floors)
         """The floors the keys in the queue were scaled by: where one of the choice's falls, every key is
         refreshed."""
@@ -159,8 +161,8 @@ class _Loop:
         while self.queue:
             if self.choice.floors != self.floors:  # keys scaled by a floor that fell are too high: every key again
                 self.floors = dict(self.choice.floors)
-                self.queue = [(self._refined(c), order, c) for _, order, c in self.queue] + [
-                    (self._refined(c), next(self.order), c) for c in self.parked]
+                self.queue = [(self._refined(c, False), order, c) for _, order, c in self.queue] + [
+                    (self._refined(c, False), next(self.order), c) for c in self.parked]
                 self.parked = []
                 heapq.heapify(self.queue)
             bound, _, candidate = heapq.heappop(self.queue)
@@ -186,18 +188,23 @@ class _Loop:
                 for order in other_orders(self.search, chosen):
                     self._push(order)
 
-    def _refined(self, c: Candidate) -> float:
+    def _refined(self, c: Candidate, drafting: bool = True) -> float:
         """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
         times the lowest ratio of the two seen (:meth:`.choice.Choice.floor`), so a draft is queued by that (a
         gathered one by its closed form, its prediction); an interleaving saves at most ``1 - 1/V`` of its
-        plain plan's fill and drain, so a split is queued by the best its interleavings could do."""
+        plain plan's fill and drain, so a split is queued by the best its interleavings could do. A TP variant
+        is keyed by its layout's draft without TP; ``drafting`` False (every key again, where a floor fell)
+        makes none that is not made yet: it is made when the variant comes first."""
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
             return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
-            plain = self._split_draft(tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
+            key = (tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
+            if not drafting and key not in self.drafts:
+                return c.bound_ms
+            plain = self._split_draft(*key)
             return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel)) * floor) if plain else c.bound_ms
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
@@ -269,11 +276,11 @@ class _Loop:
         """The heuristic split of ``layout`` at size ``m`` (TP ``degrees``) in the closed form, made once: a
         layout's TP variants are keyed by its draft without TP."""
 
-        def make() -> Plan | None:
+        key = (layout, m, degrees)
+        if key not in self.drafts:
             plan = split_draft(self.search, layout, m, degrees)
-            return plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
-
-        return self.search.ctx.memo(("split draft", layout, m, degrees), make)
+            self.drafts[key] = plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
+        return self.drafts[key]
 
     def _interleaved(self, c: Candidate) -> list[Plan]:
         """An interleaved draft made to fit: the moves of its remedies only while its closed form, times the
