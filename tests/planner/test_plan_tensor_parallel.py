@@ -127,6 +127,26 @@ def test_stages_of_different_degrees_pair_index_modulo_degree(schedule):
             assert len(messages_of(plan, rank, action)[0]) == int(fed), (rank, action)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_a_tp_plan_is_played_once_per_replica_as_on_every_rank(schedule, interleave):
+    """played_programs records a TP plan on one rank per TP group and gives its program and steps to the group:
+    the same programs and unit-step grid as recording and playing every rank (stages of degrees 2 and 1 and 2,
+    uneven replica shares, plain and interleaved; forward-only too)."""
+    from zorse_lightning.schedule.programs import check_coverage, play_in_steps, played_programs, rank_programs
+
+    middle = StagePlan((8, 9), ("t4",) * 2, ("m3",) * 2, (2, 4), (3, 1))
+    third = replace(SECOND, layers=(4, 6))
+    plan = _plan(FIRST, middle, third, schedule=schedule)
+    if interleave > 1:
+        chunks = [replace(s, layers=(i, i + 1)) for i, s in enumerate(plan.stages * 2)]
+        plan = replace(plan, stages=tuple(chunks), num_layers=len(chunks), interleave=2)
+    for forward_only in (False, True):
+        programs = rank_programs(plan, forward_only)
+        check_coverage(plan, programs, forward_only)
+        assert played_programs(plan, forward_only) == (programs, play_in_steps(plan, programs))
+
+
 def test_a_tp_group_across_machines_of_the_cluster_is_refused():
     """The plan's own machine names agree, but the cluster puts the ranks on two machines."""
     from zorse_lightning.cluster.config import load_cluster

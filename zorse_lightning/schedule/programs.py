@@ -16,7 +16,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
@@ -175,9 +175,41 @@ def played_programs(
     buffers, and the unit-step play that shows it: what pricing needs (the planner prices hundreds of
     plans; the batches and their rendezvous play, a third of building a schedule, are built for the one
     that runs, and :func:`rank_batches` cannot deadlock a play that ends, tests/planner/test_p2p_batches.py)."""
+    leaders = _one_rank_per_replica(plan)
+    if leaders is not plan:  # a TP group's ranks run the same program in the same steps: played once
+        programs, grid = played_programs(leaders, forward_only)
+        return _for_every_rank(plan, programs), _for_every_rank(plan, grid)
     programs = rank_programs(plan, forward_only)
     check_coverage(plan, programs, forward_only)
     return programs, play_in_steps(plan, programs)
+
+
+def _one_rank_per_replica(plan: Plan) -> Plan:
+    """``plan`` with each TP group reduced to its first rank, the others idle (``plan`` itself without TP).
+    Its play is the TP plan's, rank for rank: every rank of a group receives one message per action, sent in
+    the same step by a rank of the sending group (:func:`.actions.messages_of`), so the group moves together
+    in unit steps as its leader does alone, and recording 1F1B takes a t-th of the ranks' looks."""
+    if all(stage.tensor_parallel == 1 for stage in plan.stages):
+        return plan
+    stages = tuple(
+        replace(
+            stage, ranks=stage.ranks[::t], gpu_types=stage.gpu_types[::t], machines=stage.machines[::t],
+            microbatches_per_rank=stage.microbatches_per_rank[::t], shard_fractions=(), tensor_parallel=1,
+        ) if (t := stage.tensor_parallel) > 1 else stage
+        for stage in plan.stages
+    )
+    working = {r for stage in stages for r in stage.ranks}
+    return replace(plan, stages=stages, idle_ranks=tuple(r for r in range(plan.world_size) if r not in working))
+
+
+def _for_every_rank(plan: Plan, rows: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """Rows of :func:`_one_rank_per_replica`'s ranks given to every rank of their TP groups."""
+    out = list(rows)
+    for group in plan.rank_groups:
+        for replica in group.replicas:
+            for rank in replica[1:]:
+                out[rank] = rows[replica[0]]
+    return tuple(out)
 
 
 def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
