@@ -256,16 +256,21 @@ def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], 
     at once comes from the recorded play of its schedule, not from a formula (plain plans keep
     :func:`microbatches_in_flight`, which their programs follow and which costs no play). ``host``:
     the peak of what offloading chunks keep in host memory instead."""
-    last = len(plan.stages) - 1
-    per_microbatch = [
-        _host_bytes(ctx, plan, s) if host else activation_bytes_per_microbatch(
-            ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute,
-            offload=s.offload_activations, tensor_parallel=s.tensor_parallel,
-        )
-        for i, s in enumerate(plan.stages)
-    ]
-    programs = schedule_programs(ctx, plan)
-    return tuple(_peak_bytes(programs[r], per_microbatch) for r in ranks)
+    def peaks() -> dict[int, float]:  # every rank's at once: each chunk of a group asks for the same ranks
+        last = len(plan.stages) - 1
+        per_microbatch = [
+            _host_bytes(ctx, plan, s) if host else activation_bytes_per_microbatch(
+                ctx.profile, s.layers, plan.microbatch_size, first=i == 0, last=i == last, recompute=s.recompute,
+                offload=s.offload_activations, tensor_parallel=s.tensor_parallel,
+            )
+            for i, s in enumerate(plan.stages)
+        ]
+        programs = schedule_programs(ctx, plan)
+        return {r: _peak_bytes(programs[r], per_microbatch) for g in plan.rank_groups for r in g.ranks}
+
+    stages = tuple((s.ranks, s.microbatches_per_rank, s.layers, s.recompute, s.offload_activations, s.tensor_parallel) for s in plan.stages)
+    by_rank = ctx.memo(("activation peaks", plan.schedule, plan.interleave, plan.microbatch_size, stages, host), peaks)
+    return tuple(by_rank[r] for r in ranks)
 
 
 def _peak_bytes(program: tuple[Action, ...], per_microbatch: list[float]) -> float:
