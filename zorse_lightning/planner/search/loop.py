@@ -329,7 +329,7 @@ class _Loop:
 
     def result(self, started: float) -> Plan:
         search, choice = self.search, self.choice
-        choice.settle()
+        choice.settle(final=True)
         best = choice.chosen
         if best is None:
             raise infeasible_error(search.ctx, list(search.layouts), list(search.sizes), search.schedule, search.global_batch_size, search.options)
