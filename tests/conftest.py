@@ -8,9 +8,15 @@ from collections.abc import Callable
 
 import pytest
 
+from testing.launch import use_forkserver
+
 # Every process the tests start keeps NCCL's point-to-point rules on gloo (engine/p2p_rules.py): a pipeline
 # that would hang on a GPU cluster fails here. ``ZORSE_P2P_RULES=gloo make test`` runs with gloo's own.
 os.environ.setdefault("ZORSE_P2P_RULES", "nccl")
+
+# Ranks of spawn_ranks are forked from one process that imported torch and Lightning once for the session
+# (testing/launch.py): a spawned rank pays those imports again, 26-30 s for four ranks on two cores.
+use_forkserver()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from zorse_lightning.strategy.accelerator import (
 from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.strategy.registration import register_with_lightning
 from zorse_lightning.units import BYTES_PER_GIB
+from testing.launch import start_method
 
 FLOAT_BYTES = 4
 ONE_T4 = {
@@ -310,7 +311,7 @@ def test_agreed_costs_make_emulated_time_proportional_to_slowdown(tmp_path: Path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, start_method=start_method())
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert fast["costs"] == slow["costs"]  # one cost, agreed: the ratio is the slowdowns' ratio exactly
     assert slow["emulated_s"] / fast["emulated_s"] == pytest.approx(2.0, rel=1e-9)
