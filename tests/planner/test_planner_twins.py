@@ -73,3 +73,27 @@ def test_a_plan_held_by_its_twins_simulation_is_played_itself_at_the_end(ctx):
     choice.settle(final=True)
     assert choice.simulated == 2 and id(choice.chosen) not in choice.proxies
     assert choice.chosen.predicted.iteration_ms == simulate(ctx, other).makespan_ms
+
+
+def test_the_search_fits_one_of_each_set_of_twins(monkeypatch):
+    """Four alike machines: other orders of a plan are twins of it (alike groups on alike links), so the loop
+    fits each interleaving once per set of twins (three of seven here) and returns the plan it returns when it
+    fits them all."""
+    import zorse_lightning.planner.search.loop as loop
+    from zorse_lightning.planner import make_plan
+    from zorse_lightning.planner.search.choice import twin_key
+
+    a100 = DEFAULT_CATALOG.get("a100x40")
+    inventory = ClusterInventory("alike4", tuple(Machine(f"m{i}", (a100, a100), intra_bandwidth_gbps=100.0) for i in range(4)),
+                                 inter_machine_bandwidth_gbps=100.0)
+    profile = synthetic_profile(("a100x40",), num_layers=32, hidden=4096)
+    fitted: list[tuple] = []
+    fit = loop.interleaved_fit
+    monkeypatch.setattr(loop, "interleaved_fit", lambda search, draft, *rest: fitted.append(twin_key(draft)) or fit(search, draft, *rest))
+    plan = make_plan(inventory, profile, 16)
+    once = list(fitted)
+    fitted.clear()
+    monkeypatch.setattr(loop._Loop, "_twin_seen", lambda self, plan, kind: False)
+    every = make_plan(inventory, profile, 16)
+    assert once and len(set(once)) == len(once) and len(fitted) > len(once) and set(fitted) == set(once)
+    assert plan.interleave > 1 and plan.stages == every.stages and plan.predicted == every.predicted

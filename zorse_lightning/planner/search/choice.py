@@ -78,7 +78,7 @@ def handicap(plan: Plan) -> float:
     return margin(bool(plan.idle_ranks), plan.interleave > 1, any(s.tensor_parallel > 1 for s in plan.stages))
 
 
-def _twin_key(plan: Plan) -> tuple:
+def twin_key(plan: Plan) -> tuple:
     """What a plan's simulation depends on but which GPUs and machines its stages hold, and its closed form to
     the last bit (which prices every link it crosses): plans alike in both are taken as one pipeline."""
     stages = tuple(
@@ -119,7 +119,7 @@ class Choice:
     simulated_since: dict[int, Plan] = field(default_factory=dict)
     """Every plan offered that has been simulated since, by ``id`` (held, so that no id is reused)."""
     twins: dict[tuple, Plan] = field(default_factory=dict)
-    """Each plan simulated, by :func:`_twin_key`: a plan of the same key is the same pipeline on GPUs and links
+    """Each plan simulated, by :func:`twin_key`: a plan of the same key is the same pipeline on GPUs and links
     alike (groups of one type in another order, or on other machines of the same kind), whose simulation it
     takes instead of playing its own (other orders of a plan on a cluster of alike machines gave three of each
     at 512 GPUs, 0.7 s a play). The plan chosen is played itself (:meth:`settle`)."""
@@ -140,7 +140,7 @@ class Choice:
         index = next((i for i, kept in enumerate(self.pool) if kept is plan), None)
         if self.ctx is None or index is None or simulated(plan) or not simulable(plan):
             return False
-        twin = self.twins.get(_twin_key(plan))
+        twin = self.twins.get(twin_key(plan))
         if twin is not None:
             ms, closed_ms = _ms(twin), twin.predicted.closed_form_ms
             self.pool[index] = replace(plan, predicted=replace(
@@ -151,7 +151,7 @@ class Choice:
             return False
         else:
             self.pool[index] = price(self.ctx, plan)
-            self.twins[_twin_key(plan)] = self.pool[index]
+            self.twins[twin_key(plan)] = self.pool[index]
             ratio = _ms(self.pool[index]) / self.pool[index].predicted.closed_form_ms
             kind = plan.interleave > 1
             self.floors[kind] = max(1 / CLOSED_FORM_SPREAD, min(1.0, self.floors.get(kind, 1.0), ratio))

@@ -29,7 +29,7 @@ from zorse_lightning.planner.cost.recorded_programs import programs_recorded
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning import capabilities
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, work_of
+from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, twin_key, work_of
 from zorse_lightning.planner.search.diagnose import infeasible_error
 from zorse_lightning.planner.search.fit import (
     gathered_draft, gathered_fit, heuristic_split, interleaved_draft, interleaved_fit, program_split, split_draft,
@@ -110,6 +110,8 @@ class _Loop:
         self.solves = 0
         self.bases: dict[tuple, object] = {}
         self.drafts: dict[tuple, Plan | None] = {}
+        self.twins: set[tuple] = set()
+        """Drafts fitted and plans followed, by kind and :func:`.choice.twin_key` (:meth:`_twin_seen`)."""
         """Heuristic splits in the closed form, by layout, microbatch size and TP degrees (:meth:`_split_draft`)."""
         self.floors = dict(self.choice.floors)
         """The floors the keys in the queue were scaled by: where one of the choice's falls, every key is
@@ -235,11 +237,11 @@ class _Loop:
             if c.kind is not Kind.SPLIT:
                 return []
         if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
-            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
+            return [] if c.draft is not None and self._twin_seen(c.draft, c.kind) else heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_fit(search, c.draft)
         if c.kind is Kind.INTERLEAVED:
-            return self._interleaved(c)
+            return [] if self._twin_seen(c.draft, c.kind) else self._interleaved(c)
         if c.kind is Kind.PROGRAM:
             if self.solves >= search.options.max_programs and not self.unlimited:
                 if choice.chosen is None:
@@ -299,6 +301,16 @@ class _Loop:
             return []
         return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(structure(c.plan), []))
 
+    def _twin_seen(self, plan: Plan, kind: Kind | None) -> bool:
+        """Whether a draft of candidates of ``kind`` alike to ``plan`` but for which GPUs and machines of a kind it
+        holds (:func:`.choice.twin_key`) was fitted already, or (``kind`` None) such a fitted plan followed (other
+        orders of a plan on alike machines): its fits and what it opens are that plan's, on other GPUs (at 128
+        synthetic GPUs, 95 of 112 interleavings fitted were such twins: 3.5 of 17.7 s). Remembers ``plan``."""
+        key = kind, twin_key(plan)
+        seen = key in self.twins
+        self.twins.add(key)
+        return seen
+
     def _base(self, plan: Plan):
         """``plan``'s closed form without memory, priced once per structure (a split's draft and its fitted
         plan share their pipeline; only what follows the last backward may differ)."""
@@ -320,6 +332,8 @@ class _Loop:
         prediction is the closed form, which misses what a slow link between stages costs the pipeline (the
         simulation does not play the gathers)."""
         main = plans[-1] if plans and not any(s.offload_activations for s in plans[-1].stages) else None
+        if main is not None and self._twin_seen(main, None):  # what it opens, its twin opened
+            return
         remedied = main is None  # only offload fits, or nothing: gathering per microbatch is the other remedy
         if main is None and candidate.kind is Kind.SPLIT and not candidate.tensor_parallel:  # the program may find a split that fits
             self._push(replace(candidate, kind=Kind.PROGRAM))
