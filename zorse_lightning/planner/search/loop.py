@@ -110,9 +110,9 @@ class _Loop:
         self.solves = 0
         self.bases: dict[tuple, object] = {}
         self.drafts: dict[tuple, Plan | None] = {}
+        """Heuristic splits in the closed form, by layout, microbatch size and TP degrees (:meth:`_split_draft`)."""
         self.twins: set[tuple] = set()
         """Drafts fitted and plans followed, by kind and :func:`.choice.twin_key` (:meth:`_twin_seen`)."""
-        """Heuristic splits in the closed form, by layout, microbatch size and TP degrees (:meth:`_split_draft`)."""
         self.floors = dict(self.choice.floors)
         """The floors the keys in the queue were scaled by: where one of the choice's falls, every key is
         refreshed."""
@@ -237,7 +237,9 @@ class _Loop:
             if c.kind is not Kind.SPLIT:
                 return []
         if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
-            return [] if c.draft is not None and self._twin_seen(c.draft, c.kind) else heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
+            if c.draft is not None and self._twin_seen(c.draft, c.kind):
+                return []
+            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_fit(search, c.draft)
         if c.kind is Kind.INTERLEAVED:
