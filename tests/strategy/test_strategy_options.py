@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
@@ -45,8 +47,14 @@ def test_the_strategy_is_registered_whichever_is_imported_first():
         "from zorse_lightning.strategy.accelerator import cuda_index_for",  # a torchrun worker's first import
         "from zorse_lightning.strategy.environment import HeterogeneousEnvironment",
     ]
-    for first in orders:
-        result = subprocess.run([sys.executable, "-c", f"{first}; {check}"], capture_output=True, text=True)
+    # Each order needs an interpreter of its own (7 s here, most of it importing Lightning, on one core): they
+    # run one per core at a time, each still alone in its process.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(
+            lambda first: subprocess.run([sys.executable, "-c", f"{first}; {check}"], capture_output=True, text=True),
+            orders,
+        ))
+    for first, result in zip(orders, results):
         assert result.returncode == 0, (first, result.stderr[-2000:])
 
 
