@@ -113,32 +113,48 @@ print(events, connector.received_sigterm)
 """
 
 
-def _lightning_stop(mode: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def lightning_stops():
+    """Both modes' processes, started together (7 s each, importing Lightning on one core): each test waits
+    for its own, which runs alone in its process as before."""
     root = Path(__file__).parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", _LIGHTNING_STOP, mode], env=env, capture_output=True, text=True,
-                          timeout=60)
+    started = {mode: subprocess.Popen([sys.executable, "-c", _LIGHTNING_STOP, mode], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for mode in ("chain", "hang")}
+
+    def stopped(mode: str) -> subprocess.CompletedProcess:
+        process = started[mode]
+        out, err = process.communicate(timeout=60)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+    try:
+        yield stopped
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
 
 
 @pytest.mark.multiprocess
-def test_sigterm_keeps_the_snapshot_then_lightning_stops_the_run():
+def test_sigterm_keeps_the_snapshot_then_lightning_stops_the_run(lightning_stops):
     """Lightning's SIGTERM handler (its graceful stop: received_sigterm, then SIGTERMException at the next batch)
     runs after the snapshot is kept, not instead of it; the process then ends by that stop (status 0 here), not
     by the keeping thread. Would catch the keeper replacing Lightning's handler (received_sigterm never set, the
     process ended with status 143) or calling it before the snapshot is kept."""
-    stopped = _lightning_stop("chain")
+    stopped = lightning_stops("chain")
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert stopped.stdout.strip() == "['kept', 'lightning'] True", stopped.stdout
     assert "rank 0 received SIGTERM (its run was stopped); it kept its newest snapshot" in stopped.stderr
 
 
 @pytest.mark.multiprocess
-def test_a_stop_that_hangs_after_the_snapshot_is_ended():
+def test_a_stop_that_hangs_after_the_snapshot_is_ended(lightning_stops):
     """The handler chained to never returns (the main thread never reaches the teardown): the keeping thread
     ends the process GRACEFUL_STOP_S after keeping, with SIGTERM's status."""
     from zorse_lightning.engine.faults import SIGTERM_EXIT_STATUS
 
-    stopped = _lightning_stop("hang")
+    stopped = lightning_stops("hang")
     assert stopped.returncode == SIGTERM_EXIT_STATUS, (stopped.returncode, stopped.stderr[-3000:])
     assert stopped.stdout == ""
     assert "rank 0 had not stopped 1 s after keeping its snapshot on SIGTERM: ended" in stopped.stderr
