@@ -11,6 +11,8 @@ touches over the GPU's bandwidth, unless the device measured its own rate
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from zorse_lightning.capabilities import Sharding
@@ -67,14 +69,17 @@ def update_lower_bound_ms(ctx: CostContext, ranks: list[int]) -> float:
     least the model's, so the slowest stage takes at least the model's over the sum of
     every GPU's ``1 / c_r``.
     """
-    per_parameter_ms: dict[str, float] = {}
+    return update_lower_bound_of_counts(ctx, Counter(ctx.inventory.gpus[rank].gpu_type.name for rank in ranks))
+
+
+def update_lower_bound_of_counts(ctx: CostContext, counts: Mapping[str, int]) -> float:
+    """:func:`update_lower_bound_ms` of GPUs counted by type."""
     speed = 0.0
-    for rank in ranks:
-        gpu_type = ctx.inventory.gpus[rank].gpu_type
-        if gpu_type.name not in per_parameter_ms:
-            per_parameter_ms[gpu_type.name] = optimizer_step_ms(ctx.profile.times(gpu_type.name), gpu_type, 1.0)
-        cost = per_parameter_ms[gpu_type.name]
+    for name, count in counts.items():
+        cost = ctx.memo(("step per parameter", name), lambda: optimizer_step_ms(
+            ctx.profile.times(name), next(t for t in ctx.inventory.gpu_types if t.name == name), 1.0,
+        ))
         if cost <= 0:
             return 0.0  # a free step
-        speed += 1.0 / cost
+        speed += count / cost
     return ctx.profile.total_parameters / speed

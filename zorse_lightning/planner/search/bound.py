@@ -14,7 +14,7 @@ from collections import Counter
 
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.tensor_parallel import ALL_REDUCES_PER_PASS, split_factor
-from zorse_lightning.planner.cost.update import update_lower_bound_ms
+from zorse_lightning.planner.cost.update import update_lower_bound_ms, update_lower_bound_of_counts
 from zorse_lightning.planner.search.layouts import Layout
 from zorse_lightning.planner.search.problem import block_extras, round_trip_ms
 
@@ -45,9 +45,9 @@ def lower_bound_ms(
     num_m = global_batch_size // m
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
-    types = [Counter(_unit(ctx, r, t) for r in s[::t]) for s, t in zip(layout, degrees)]  # per stage: units of each type
+    types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]  # per stage: units of each type
     message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
-    fastest_layer = _split_layer_ms(ctx, layout, degrees, m, message_bytes)
+    fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
     extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
     whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
     one_layer_per_stage = max(
@@ -59,7 +59,11 @@ def lower_bound_ms(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
     ) + transfers
-    return compute + update_lower_bound_ms(ctx, [r for ranks in layout for r in ranks])
+    gpus: Counter[str] = Counter()
+    for stage in types:
+        for (name, t), n in stage.items():
+            gpus[name] += n * t
+    return compute + update_lower_bound_of_counts(ctx, gpus)
 
 
 def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, global_batch_size: int) -> float:
@@ -72,17 +76,34 @@ def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, 
     return _whole_model_ms(ctx, count, fastest_layer, m, global_batch_size // m) + update_lower_bound_ms(ctx, list(ranks))
 
 
-def _split_layer_ms(ctx: CostContext, layout: Layout, degrees: tuple[int, ...], m: int, message_bytes: float) -> dict[tuple[str, int], float]:
-    """Per type and degree, the least time of one microbatch through a layer on one GPU or TP group of the layout."""
+def _units(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> Counter[tuple[str, int]]:
+    """A stage's GPUs (or TP groups of ``degree``) counted by :func:`_unit`, once per stage: a stage recurs in
+    many layouts, and at 1024 GPUs counting them again was most of a bound."""
+    return ctx.memo(("units", ranks, degree), lambda: Counter(_unit(ctx, r, degree) for r in ranks[::degree]))
+
+
+def _split_layer_ms(
+    ctx: CostContext, layout: Layout, degrees: tuple[int, ...], types: list[Counter[tuple[str, int]]], m: int, message_bytes: float,
+) -> dict[tuple[str, int], float]:
+    """Per type and degree, the least time of one microbatch through a layer on one GPU or TP group of the layout
+    (``types``: each stage's :func:`_units`)."""
     out: dict[tuple[str, int], float] = {}
-    for ranks, t in zip(layout, degrees):
+    for ranks, t, units in zip(layout, degrees, types):
         if t == 1:
-            out.update({u: ctx.fastest_layer_ms(u[0], m) for u in {_unit(ctx, r, 1) for r in ranks}})
+            out.update({u: ctx.fastest_layer_ms(u[0], m) for u in units})
             continue
-        for start in range(0, len(ranks), t):
-            group = ranks[start : start + t]
-            unit, ms = ctx.memo(("split layer", group, m), lambda: _group_layer_ms(ctx, group, m, message_bytes))
+        for unit, ms in ctx.memo(("split layers", ranks, t, m), lambda: _stage_split_layer_ms(ctx, ranks, t, m, message_bytes)).items():
             out[unit] = min(out.get(unit, ms), ms)
+    return out
+
+
+def _stage_split_layer_ms(ctx: CostContext, ranks: tuple[int, ...], t: int, m: int, message_bytes: float) -> dict[tuple[str, int], float]:
+    """Per type and degree, the least time of one microbatch through a layer on a TP group of the stage."""
+    out: dict[tuple[str, int], float] = {}
+    for start in range(0, len(ranks), t):
+        group = ranks[start : start + t]
+        unit, ms = ctx.memo(("split layer", group, m), lambda: _group_layer_ms(ctx, group, m, message_bytes))
+        out[unit] = min(out.get(unit, ms), ms)
     return out
 
 

@@ -138,14 +138,18 @@ class Search:
         """``layout`` with its blocks split over TP groups of ``degree`` GPUs in every stage that admits it
         (:func:`~.tensor_parallel.tensor_parallel_degrees`; its ranks then listed replica by replica), and each
         stage's degree; None where no stage admits it."""
-        gpus = self.ctx.inventory.gpus
         stages, degrees = [], []
         for ranks in layout:
-            ordered = tuple(sorted(ranks, key=lambda r: (gpus[r].machine, gpus[r].gpu_type.name, r)))
-            split = degree in tensor_parallel_degrees(self.ctx, ordered, degree)
-            stages.append(ordered if split else ranks)
+            split = self.ctx.memo(("split over", ranks, degree), lambda: self._split_stage(ranks, degree))
+            stages.append(split or ranks)
             degrees.append(degree if split else 1)
         return (tuple(stages), tuple(degrees)) if degree in degrees else None
+
+    def _split_stage(self, ranks: tuple[int, ...], degree: int) -> tuple[int, ...] | None:
+        """A stage's ranks replica by replica where it admits TP ``degree``, else None (:meth:`split_over`)."""
+        gpus = self.ctx.inventory.gpus
+        ordered = tuple(sorted(ranks, key=lambda r: (gpus[r].machine, gpus[r].gpu_type.name, r)))
+        return ordered if degree in tensor_parallel_degrees(self.ctx, ordered, degree) else None
 
     def gpu_type(self, rank: int) -> str:
         return self.ctx.inventory.gpus[rank].gpu_type.name
