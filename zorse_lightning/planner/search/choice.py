@@ -140,7 +140,8 @@ class Choice:
         index = next((i for i, kept in enumerate(self.pool) if kept is plan), None)
         if self.ctx is None or index is None or simulated(plan) or not simulable(plan):
             return False
-        twin = self.twins.get(twin_key(plan))
+        key = twin_key(plan)
+        twin = self.twins.get(key)
         if twin is not None:
             ms, closed_ms = _ms(twin), twin.predicted.closed_form_ms
             self.pool[index] = replace(plan, predicted=replace(
@@ -150,17 +151,22 @@ class Choice:
         elif work_of(plan) > self.budget:
             return False
         else:
-            self.pool[index] = price(self.ctx, plan)
-            self.twins[twin_key(plan)] = self.pool[index]
-            ratio = _ms(self.pool[index]) / self.pool[index].predicted.closed_form_ms
-            kind = plan.interleave > 1
-            self.floors[kind] = max(1 / CLOSED_FORM_SPREAD, min(1.0, self.floors.get(kind, 1.0), ratio))
-            self.budget -= work_of(plan)
-            self.simulated += 1
-            self.simulated_work += work_of(plan)
+            self._play(index, plan)
+            self.twins[key] = self.pool[index]
         self.simulated_since[id(plan)] = plan
         self.chosen = min(self.pool, key=_rank_ms)
         return True
+
+    def _play(self, index: int, plan: Plan) -> None:
+        """Put ``plan`` at ``index`` of the pool as its simulation predicts it; its ratio to its closed form lowers
+        its kind's floor, its work is paid from the budget."""
+        self.pool[index] = price(self.ctx, plan)
+        ratio = _ms(self.pool[index]) / self.pool[index].predicted.closed_form_ms
+        kind = plan.interleave > 1
+        self.floors[kind] = max(1 / CLOSED_FORM_SPREAD, min(1.0, self.floors.get(kind, 1.0), ratio))
+        self.budget -= work_of(plan)
+        self.simulated += 1
+        self.simulated_work += work_of(plan)
 
     def settle(self, final: bool = False) -> None:
         """Simulate the plan held until the one held is simulated (or cannot be): a plan the closed form
@@ -172,9 +178,7 @@ class Choice:
                 index = next(i for i, kept in enumerate(self.pool) if kept is self.chosen)
                 self.proxies.discard(id(self.chosen))
                 own = replace(self.chosen.predicted, iteration_ms=self.chosen.predicted.closed_form_ms, closed_form_ms=None)
-                self.pool[index] = price(self.ctx, replace(self.chosen, predicted=own))
-                self.simulated += 1
-                self.simulated_work += work_of(self.chosen)
+                self._play(index, replace(self.chosen, predicted=own))
                 self.chosen = min(self.pool, key=_rank_ms)
                 continue
             if self.simulate(self.chosen):
