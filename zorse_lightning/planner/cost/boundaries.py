@@ -65,8 +65,17 @@ def boundary_message_bytes(ctx: CostContext, plan: Plan, index: int) -> float:
 
 
 def boundary_cost(ctx: CostContext, plan: Plan, index: int) -> BoundaryCost:
+    """Boundary ``index``'s costs, once per pair of stages (their ranks, shares and TP degrees) and message size:
+    the search meets the same boundary in a plan's draft, its fits, its other orders and every chunk of its
+    interleavings (5,400 boundaries priced at 32 synthetic GPUs, most of them again)."""
     sender, receiver = plan.stages[index], plan.stages[index + 1]
     message_bytes = boundary_message_bytes(ctx, plan, index)
+    key = ("boundary", sender.ranks, sender.microbatches_per_rank, sender.tensor_parallel, receiver.ranks,
+           receiver.microbatches_per_rank, receiver.tensor_parallel, message_bytes)
+    return ctx.memo(key, lambda: _boundary_cost(ctx, sender, receiver, message_bytes))
+
+
+def _boundary_cost(ctx: CostContext, sender: StagePlan, receiver: StagePlan, message_bytes: float) -> BoundaryCost:
     one_ms: dict = {}  # per link: one message
     messages: dict = {}  # per link: messages per iteration
     route_list, route_ms = [], []

@@ -99,8 +99,9 @@ class PlanCost:
         return self.pipeline_ms + self.tail_ms
 
 
-def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) -> StageCost:
-    """The stage's costs; ``memory`` False leaves its memory out (empty: see :func:`plan_cost`)."""
+def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True, group: StageCost | None = None) -> StageCost:
+    """The stage's costs; ``memory`` False leaves its memory out (empty: see :func:`plan_cost`). ``group``: the
+    cost of another chunk of the stage's group, whose synchronisation, memory and optimizer step it shares."""
     stage = plan.stages[index]
     first, last = index == 0, index == len(plan.stages) - 1
     if stage.tensor_parallel > 1:
@@ -118,10 +119,13 @@ def stage_cost(ctx: CostContext, plan: Plan, index: int, memory: bool = True) ->
         busy_ms = lockstep_busy_ms(totals, counts) + max(counts) * gathers_ms
     else:
         busy_ms = stage_busy_ms(totals, counts)
+    latency_ms = stage_latency_ms(totals, counts) + gathers_ms
+    if group is not None:
+        return replace(group, times=times, busy_ms=busy_ms, latency_ms=latency_ms)
     return StageCost(
         times=times,
         busy_ms=busy_ms,
-        latency_ms=stage_latency_ms(totals, counts) + gathers_ms,
+        latency_ms=latency_ms,
         sync_ms=stage_own_sync_ms(ctx, plan, index),
         memory=stage_memory(ctx, plan, index, stage.effective_shard_fractions()) if memory else (),
         update_ms=stage_update_ms(ctx, plan, index),
@@ -298,7 +302,10 @@ def plan_cost(ctx: CostContext, plan: Plan, memory: bool = True) -> PlanCost:
     """The plan's costs. ``memory`` False prices its time only, with no memory per rank (an
     interleaved plan's memory needs its programs recorded: seconds at 1024 GPUs), to rank
     candidates before pricing the memory of the promising ones."""
-    stages = tuple(stage_cost(ctx, plan, i, memory) for i in range(len(plan.stages)))
+    costs: list[StageCost] = []
+    for i in range(len(plan.stages)):  # a group's later chunks share its synchronisation, memory and step
+        costs.append(stage_cost(ctx, plan, i, memory, costs[i - plan.num_groups] if i >= plan.num_groups else None))
+    stages = tuple(costs)
     boundaries = tuple(boundary_cost(ctx, plan, i) for i in range(len(plan.stages) - 1))
     latencies, busy = pipeline_elements(ctx, plan, stages, boundaries)
     bottleneck = max(range(len(busy)), key=lambda e: busy[e] - latencies[e])
