@@ -230,8 +230,10 @@ class ModelProfile:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @cached_property
     def total_parameters(self) -> int:
+        """Every parameter of the model, a tied head's once (computed once: the search's bounds ask for it
+        thousands of times)."""
         return self.embedding.parameters + self.head.parameters * (not self.tied_embedding_head) + sum(
             l.parameters for l in self.layers
         )

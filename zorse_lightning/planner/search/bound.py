@@ -46,7 +46,7 @@ def lower_bound_ms(
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
     types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]  # per stage: units of each type
-    message_bytes = min(b.output_bytes_per_sample for b in ctx.profile.layers) * m
+    message_bytes = ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers)) * m
     fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
     extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
     whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
@@ -54,7 +54,9 @@ def lower_bound_ms(
         num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
     )
     fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
-    transfers = sum(round_trip_ms(ctx, a, b, message_bytes)[0] for a, b in zip(layout, layout[1:]))
+    transfers = sum(
+        ctx.memo(("round trip", a, b, message_bytes), lambda: round_trip_ms(ctx, a, b, message_bytes)[0]) for a, b in zip(layout, layout[1:])
+    )
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
@@ -150,8 +152,9 @@ def bottleneck_bound_ms(
     edge = [min(extras[t, s] for t in stage) for s, stage in enumerate(types)]
     most_layers = num_layers - stages + 1
     bound = 0.0
+    lowest = sorted(range(stages), key=per_layer.__getitem__)[:2]  # the least per-layer time of the stages but b's
     for b, stage in enumerate(types):
-        others_layer = min((per_layer[s] for s in range(stages) if s != b), default=0.0)
+        others_layer = per_layer[lowest[lowest[0] == b]] if stages > 1 else 0.0
         others_edge = sum(edge) - edge[b]
         busiest = -(-num_m // sum(stage.values()))
         capacity = sum(n / fastest_layer[t] for t, n in stage.items())
