@@ -22,6 +22,7 @@ from zorse_lightning.planner.search import loop
 from zorse_lightning.planner.search.fit import interleaved_draft
 from zorse_lightning.planner.search.space import Search
 from zorse_lightning.planner.interleaving import degrees
+from zorse_lightning.planner.cost.evaluate import plan_cost
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.profiling import reference_profile
 from testing.synthetic_cluster import four_machines_four_types
@@ -147,7 +148,8 @@ def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pyt
     pins = PlannerOptions(p2p_rules="gloo", stage_layout=layout, layer_counts=(13, 8, 4, 1), microbatch_size=4, max_interleave=1)
     plain = make_plan(inventory, profile, 32 * inventory.world_size, pins)
     search = Search.build(inventory, profile, 32 * inventory.world_size, pins, lambda _: None)
-    thick = interleaved_draft(search, plain, 3)
+    busy = [stage.busy_ms for stage in plan_cost(search.ctx, plain, memory=False).stages]
+    thick = interleaved_draft(search, plain, 3, busy)
     assert [sum(thick.stages[s].num_layers for s in thick.stages_of_group(g)) for g in range(4)] == [12, 7, 4, 3]
     assert degrees(plain, 4) == [1, 2, 3, 4]
 

@@ -135,11 +135,12 @@ def _runs(plan: Plan) -> bool:
         return False
 
 
-def interleaved_draft(search: Search, plain: Plan, degree: int) -> Plan:
+def interleaved_draft(search: Search, plain: Plan, degree: int, busy_ms: list[float]) -> Plan:
     """``plain`` with each group's layers cut into ``degree`` chunks, priced in the closed form without its
     memory (unfitted); a group holding fewer layers than the degree first gets layers from the groups then
-    busiest (else a slow group holding few layers would rule the degree out)."""
-    busy = _busy(search, plain)
+    busiest (``busy_ms``: each group's busy time in ``plain``'s closed form; else a slow group holding few
+    layers would rule the degree out)."""
+    busy = list(busy_ms)
     counts = [stage.num_layers for stage in plain.stages]
     for thin in (g for g in range(len(counts)) if counts[g] < degree):
         while counts[thin] < degree:
@@ -151,10 +152,10 @@ def interleaved_draft(search: Search, plain: Plan, degree: int) -> Plan:
     return _closed_form(search, interleave(with_layer_counts(plain, counts) if counts != [s.num_layers for s in plain.stages] else plain, degree))
 
 
-def interleaved_fit(search: Search, draft: Plan, plain: Plan, past: Past, refused: list[str]) -> list[Plan]:
-    """An interleaved draft of ``plain`` made to fit, remedies in the module's order (no layer moved where the
-    layer counts are pinned); ``refused`` receives why it gave nothing."""
-    busy = _busy(search, plain)
+def interleaved_fit(search: Search, draft: Plan, busy: list[float], past: Past, refused: list[str]) -> list[Plan]:
+    """An interleaved draft made to fit, remedies in the module's order (no layer moved where the layer counts
+    are pinned; moved to the groups least busy in the plain plan, ``busy``); ``refused`` receives why it gave
+    nothing."""
     overran: set[int] = set()
     recompute = lambda p: replace(p, stages=tuple(replace(s, recompute=True) for s in p.stages), predicted=None)  # noqa: E731
     moved = (lambda p, cost, over: _layer_moved(p, cost, over, busy, overran)) if search.options.layer_counts is None else (lambda *_: None)
@@ -164,11 +165,6 @@ def interleaved_fit(search: Search, draft: Plan, plain: Plan, past: Past, refuse
         group, rank, gib = max(priced[2], key=lambda o: o[2]) if priced and priced[2] else (0, draft.stages[0].ranks[0], 0.0)
         refused.append(f"x{draft.interleave} does not fit (rank {rank} of group {group} {gib:.2f} GiB over: more activations in flight)")
     return plans
-
-
-def _busy(search: Search, plain: Plan) -> list[float]:
-    """Each group's busy time in ``plain``'s closed form: where layers moved for interleaving cost least."""
-    return [cost.busy_ms for cost in plan_cost(search.ctx, plain, memory=False).stages]
 
 
 def fit(

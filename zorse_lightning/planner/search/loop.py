@@ -270,8 +270,9 @@ class _Loop:
             return self._split_draft(c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_draft(self.search, c.layout, c.microbatch_size)
-        draft = interleaved_draft(self.search, c.plan, c.interleave)
-        base_ms, ms = self._base(c.plan).iteration_ms, draft.predicted.iteration_ms
+        base = self._base(c.plan)
+        draft = interleaved_draft(self.search, c.plan, c.interleave, [stage.busy_ms for stage in base.stages])
+        base_ms, ms = base.iteration_ms, draft.predicted.iteration_ms
         crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
         self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
         return draft
@@ -301,7 +302,8 @@ class _Loop:
 
         if past(c.draft):
             return []
-        return interleaved_fit(self.search, c.draft, c.plan, past, self.refusals.setdefault(structure(c.plan), []))
+        busy = [stage.busy_ms for stage in self._base(c.plan).stages]
+        return interleaved_fit(self.search, c.draft, busy, past, self.refusals.setdefault(structure(c.plan), []))
 
     def _twin_seen(self, plan: Plan, kind: Kind | None) -> bool:
         """Whether a draft of candidates of ``kind`` alike to ``plan`` but for which GPUs and machines of a kind it
