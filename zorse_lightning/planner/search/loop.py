@@ -170,7 +170,7 @@ class _Loop:
             bound, _, candidate = heapq.heappop(self.queue)
             if self.choice.past(bound):
                 self.parked.append(candidate)
-                if self.choice.floors == self.floors:
+                if not self._ordered_held() and self.choice.floors == self.floors:
                     return  # every candidate left is bounded as high, none with a smaller margin than 1
                 continue
             refined = self._refined(candidate)
@@ -184,11 +184,19 @@ class _Loop:
                     self._offered(candidate, plan)
                 if plans is not None and candidate.kind in (Kind.SPLIT, Kind.PROGRAM):
                     self._follow(candidate, plans)
-            chosen = self.choice.chosen
-            if chosen is not None and simulated(chosen) and structure(chosen) not in self.ordered:
-                self.ordered.add(structure(chosen))
-                for order in other_orders(self.search, chosen):
-                    self._push(order)
+            self._ordered_held()
+
+    def _ordered_held(self) -> bool:
+        """Queue the other orders of the plan held once it is simulated (it may be only when the queue reaches
+        it: :meth:`.choice.Choice.past`); whether any were queued."""
+        chosen = self.choice.chosen
+        if chosen is None or not simulated(chosen) or structure(chosen) in self.ordered:
+            return False
+        self.ordered.add(structure(chosen))
+        queued = len(self.queue)
+        for order in other_orders(self.search, chosen):
+            self._push(order)
+        return len(self.queue) > queued
 
     def _refined(self, c: Candidate, drafting: bool = True) -> float:
         """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
