@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import fields
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from zorse_lightning.capabilities import SUPPORTED_SCHEDULES, SUPPORTED_SHARDING, Sharding
@@ -93,8 +94,11 @@ def _interleave_problems(plan: Plan) -> Iterator[str]:
         )
         return
     groups = count // degree
+    but_layers = attrgetter(*(f.name for f in fields(plan.stages[0]) if f.name != "layers"))  # one tuple per stage
     for index in range(groups, count):
         mine, group = plan.stages[index], plan.stages[index % groups]
+        if but_layers(mine) == but_layers(group):
+            continue
         differing = [
             f.name for f in fields(mine) if f.name != "layers" and getattr(mine, f.name) != getattr(group, f.name)
         ]
