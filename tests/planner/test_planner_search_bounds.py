@@ -17,7 +17,7 @@ from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.cost.comm import transfer_ms
 from zorse_lightning.planner.search.problem import WindowCosts, block_extras, receive_wait_ms
 from zorse_lightning.planner.search.bound import lower_bound_ms
-from zorse_lightning.planner.search.fit import heuristic_split
+from zorse_lightning.planner.search.fit import heuristic_split, split_draft
 from zorse_lightning.planner.search.space import Search
 
 from test_planner_fixtures import synthetic_profile
@@ -102,7 +102,7 @@ def test_lower_bound_never_exceeds_a_priced_plan(name: str) -> None:
     checked = 0
     for layout in search.layouts:
         for m in (1, 4):
-            for priced_plan in heuristic_split(search, layout, m):  # offloading where over memory, where offered
+            for priced_plan in heuristic_split(search, layout, m, (), split_draft(search, layout, m)):  # offloading where over memory, where offered
                 assert lower_bound_ms(search.ctx, layout, m, 32) <= priced_plan.predicted.iteration_ms * (1 + 1e-12)
                 checked += 1
     assert checked > 10

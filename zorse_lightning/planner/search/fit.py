@@ -59,12 +59,13 @@ def split_draft(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -
     return _balanced(search, layout, m, False, False, degrees, shards_by_memory=False)
 
 
-def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...] = ()) -> list[Plan]:
-    """The candidate's balanced split made to fit; its layers moved by capping each stage at what its memory
-    holds in the integer program's model (not with TP, which that model does not hold), and with
-    recomputation the same again."""
+def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...], draft: Plan | None) -> list[Plan]:
+    """The candidate's balanced split (its ``draft``, sharded by free memory) made to fit; its layers moved by
+    capping each stage at what its memory holds in the integer program's model (not with TP, which that model
+    does not hold), and with recomputation the same again."""
     moved = (lambda plan, *_: _balanced(search, layout, m, plan.stages[0].recompute, True)) if not degrees else (lambda *_: None)  # noqa: E731
-    return fit(search, _balanced(search, layout, m, False, False, degrees), None, moved, lambda _: _balanced(search, layout, m, True, False, degrees))
+    start = draft and with_free_memory_shards(search.ctx, replace(draft, predicted=None))
+    return fit(search, start, None, moved, lambda _: _balanced(search, layout, m, True, False, degrees))
 
 
 def _balanced(

@@ -247,7 +247,7 @@ class _Loop:
         if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
             if c.draft is not None and self._twin_seen(c.draft, c.kind):
                 return []
-            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel)
+            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel, c.draft)
         if c.kind is Kind.GATHERED:
             return gathered_fit(search, c.draft)
         if c.kind is Kind.INTERLEAVED:
