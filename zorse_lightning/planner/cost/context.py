@@ -82,9 +82,11 @@ class CostContext:
     def memo(self, key: tuple, make):
         """``make()``, computed once per ``key`` (its first item names what is memoized) for this context: the
         search prices the same stages (their parameters, embedding and head) in thousands of plans."""
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]
+        try:
+            return self._memo[key]  # one lookup where it is made already: its key is hashed once
+        except KeyError:
+            value = self._memo[key] = make()
+            return value
 
     def _device(self, gpu_type: str, tensor_parallel: int):
         """``gpu_type``'s times, split over TP groups of ``tensor_parallel`` GPUs (:func:`split_device_times`)."""
