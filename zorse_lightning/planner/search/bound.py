@@ -153,18 +153,17 @@ def bottleneck_bound_ms(
     most_layers = num_layers - stages + 1
     bound = 0.0
     lowest = sorted(range(stages), key=per_layer.__getitem__)[:2]  # the least per-layer time of the stages but b's
+    edges = sum(edge)
     for b, stage in enumerate(types):
         others_layer = per_layer[lowest[lowest[0] == b]] if stages > 1 else 0.0
-        others_edge = sum(edge) - edge[b]
+        others_edge = edges - edge[b]
         busiest = -(-num_m // sum(stage.values()))
         capacity = sum(n / fastest_layer[t] for t, n in stage.items())
-
-        def at(k: int) -> float:
-            busy = max(busiest * (k * per_layer[b] + edge[b]), num_m * k / capacity)
-            return busy + (num_layers - k) * others_layer + others_edge
-
-        slope_gap = num_m / capacity - busiest * per_layer[b]
-        kink = busiest * edge[b] / slope_gap if slope_gap > 0 else 1.0
-        ks = {1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)}
-        bound = max(bound, min(at(k) for k in ks) if stages > 1 else at(num_layers))
+        layer_ms, edge_ms = per_layer[b], edge[b]
+        slope_gap = num_m / capacity - busiest * layer_ms
+        kink = busiest * edge_ms / slope_gap if slope_gap > 0 else 1.0
+        ks = (1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)) if stages > 1 else (num_layers,)
+        bound = max(bound, min(
+            max(busiest * (k * layer_ms + edge_ms), num_m * k / capacity) + (num_layers - k) * others_layer + others_edge for k in ks
+        ))
     return bound
