@@ -278,9 +278,8 @@ class _Loop:
             return self._split_draft(c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_draft(self.search, c.layout, c.microbatch_size)
-        base = self._base(c.plan)
-        draft = interleaved_draft(self.search, c.plan, c.interleave, [stage.busy_ms for stage in base.stages])
-        base_ms, ms = base.iteration_ms, draft.predicted.iteration_ms
+        draft = interleaved_draft(self.search, c.plan, c.interleave, self._busy(c.plan))
+        base_ms, ms = self._base(c.plan).iteration_ms, draft.predicted.iteration_ms
         crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
         self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
         return draft
@@ -310,8 +309,7 @@ class _Loop:
 
         if past(c.draft):
             return []
-        busy = [stage.busy_ms for stage in self._base(c.plan).stages]
-        return interleaved_fit(self.search, c.draft, busy, past, self.refusals.setdefault(structure(c.plan), []))
+        return interleaved_fit(self.search, c.draft, self._busy(c.plan), past, self.refusals.setdefault(structure(c.plan), []))
 
     def _twin_seen(self, plan: Plan, kind: Kind | None) -> bool:
         """Whether a draft of candidates of ``kind`` alike to ``plan`` but for which GPUs and machines of a kind it
@@ -322,6 +320,10 @@ class _Loop:
         seen = key in self.twins
         self.twins.add(key)
         return seen
+
+    def _busy(self, plain: Plan) -> list[float]:
+        """Each group's busy time in ``plain``'s closed form: where layers moved for interleaving cost least."""
+        return [stage.busy_ms for stage in self._base(plain).stages]
 
     def _base(self, plan: Plan):
         """``plan``'s closed form without memory, priced once per structure (a split's draft and its fitted
