@@ -90,16 +90,17 @@ class StagePlan:
         return tuple(self.ranks[i : i + t] for i in range(0, len(self.ranks), t))
 
     @cached_property
-    def _position(self) -> dict[int, int]:
+    def rank_index(self) -> dict[int, int]:
+        """Each rank's place in ``ranks``."""
         return {rank: index for index, rank in enumerate(self.ranks)}
 
     def tensor_index(self, rank: int) -> int:
         """``rank``'s place in its TP group (0 without tensor parallelism)."""
-        return self._position[rank] % self.tensor_parallel
+        return self.rank_index[rank] % self.tensor_parallel
 
     def tensor_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s TP group (itself alone without tensor parallelism)."""
-        start = self._position[rank] // self.tensor_parallel * self.tensor_parallel
+        start = self.rank_index[rank] // self.tensor_parallel * self.tensor_parallel
         return self.ranks[start : start + self.tensor_parallel]
 
     def data_ranks(self, tensor_index: int) -> tuple[int, ...]:
@@ -110,7 +111,7 @@ class StagePlan:
     def peer_of_microbatch(self, microbatch: int, tensor_index: int) -> int:
         """The rank of TP index ``tensor_index`` in the replica that runs ``microbatch``."""
         owner = self.rank_of_microbatch(microbatch)
-        return owner if tensor_index == 0 else self.ranks[self._position[owner] + tensor_index]
+        return owner if tensor_index == 0 else self.ranks[self.rank_index[owner] + tensor_index]
 
     @property
     def num_layers(self) -> int:

@@ -9,7 +9,9 @@ boundary per chunk (and the last group feeds the first group's next chunk).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from zorse_lightning.planner.cost.comm import transfer_ms
@@ -34,6 +36,24 @@ class BoundaryCost:
     """(sending rank, receiving rank, microbatches) in microbatch order."""
     route_ms: tuple[tuple[float, float], ...]
     """Per route: one activation's transfer forward, one gradient's back (what the receivers wait for)."""
+
+    @cached_property
+    def receiver_waits_ms(self) -> dict[int, float]:
+        """Per receiving rank: its slowest route's activation and the gradient it sent ahead of it
+        (:func:`receive_ms_per_microbatch`)."""
+        return _slowest((b, forward + back) for (_, b, _), (forward, back) in zip(self.routes, self.route_ms))
+
+    @cached_property
+    def sender_waits_ms(self) -> dict[int, float]:
+        """Per sending rank: its slowest route's gradient back."""
+        return _slowest((a, back) for (a, _, _), (_, back) in zip(self.routes, self.route_ms))
+
+
+def _slowest(waits: Iterable[tuple[int, float]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for rank, ms in waits:
+        out[rank] = max(out.get(rank, 0.0), ms)
+    return out
 
 
 def routes(sender: StagePlan, receiver: StagePlan) -> list[tuple[int, int, int]]:
@@ -115,13 +135,10 @@ def receive_ms_per_microbatch(plan: Plan, boundaries: tuple[BoundaryCost, ...]) 
     that peer (1F1B: a backward, then the next forward's receive): so each
     activation costs the receiver that gradient's transfer too.
     """
-    slowest: dict[tuple[int, int, str], float] = {}  # (stage, rank, "previous" | "next" stage) -> ms
-    for i, boundary in enumerate(boundaries):
-        for (a, b, _), (forward, back) in zip(boundary.routes, boundary.route_ms):
-            for key, ms in (((i + 1, b, "previous"), forward + back), ((i, a, "next"), back)):
-                slowest[key] = max(slowest.get(key, 0.0), ms)
-    position = [{r: k for k, r in enumerate(stage.ranks)} for stage in plan.stages]
     receive = [[0.0] * len(stage.ranks) for stage in plan.stages]
-    for (stage, rank, _), ms in slowest.items():
-        receive[stage][position[stage][rank]] += ms
+    position = [stage.rank_index for stage in plan.stages]
+    for i, boundary in enumerate(boundaries):
+        for stage, waits in ((i + 1, boundary.receiver_waits_ms), (i, boundary.sender_waits_ms)):
+            for rank, ms in waits.items():
+                receive[stage][position[stage][rank]] += ms
     return receive

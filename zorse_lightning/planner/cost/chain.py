@@ -54,7 +54,7 @@ def pipeline_elements(
     for g in range(groups):
         element = 2 * g  # groups and boundaries alternate
         counts = list(plan.stages[g].microbatches_per_rank)
-        waits = receive[g] if degree == 1 else [sum(receive[s][k] for s in chunks[g]) for k in range(len(counts))]
+        waits = receive[g] if degree == 1 else [sum(chunk) for chunk in zip(*(receive[s] for s in chunks[g]))]
         limit = {n: _in_flight(plan, g, n) for n in set(counts)}  # alike GPUs of a wide stage: one count each
         in_flight = [limit[n] for n in counts]
         counted = sum(latencies[element + 1 :])
