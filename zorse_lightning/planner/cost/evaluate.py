@@ -14,6 +14,7 @@ plan is the case V = 1 of the same formulas, priced exactly as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from zorse_lightning.planner.cost.boundaries import BoundaryCost, boundary_cost
 from zorse_lightning.planner.cost.chain import pipeline_elements
@@ -87,9 +88,9 @@ class PlanCost:
         """The slowest optimizer step of any stage."""
         return max(self.stage_update_ms(i) for i in range(self.num_groups))
 
-    @property
+    @cached_property
     def tail_ms(self) -> float:
-        """The longest synchronisation plus optimizer step of any stage."""
+        """The longest synchronisation plus optimizer step of any stage (asked of each plan many times)."""
         return max(self.stage_tail_ms(i) for i in range(self.num_groups))
 
     @property

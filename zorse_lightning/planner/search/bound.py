@@ -49,7 +49,10 @@ def lower_bound_ms(
     message_bytes = ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers)) * m
     fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
     extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
-    whole_model = _whole_model_ms(ctx, sum(types, Counter()), fastest_layer, m, num_m)
+    units: Counter[tuple[str, int]] = Counter()
+    for stage in types:
+        units.update(stage)
+    whole_model = _whole_model_ms(ctx, units, fastest_layer, m, num_m)
     one_layer_per_stage = max(
         num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
     )
@@ -62,9 +65,8 @@ def lower_bound_ms(
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
     ) + transfers
     gpus: Counter[str] = Counter()
-    for stage in types:
-        for (name, t), n in stage.items():
-            gpus[name] += n * t
+    for (name, t), n in units.items():
+        gpus[name] += n * t
     return compute + update_lower_bound_of_counts(ctx, gpus)
 
 

@@ -205,9 +205,11 @@ class _Loop:
         plain plan's fill and drain, so a split is queued by the best its interleavings could do. A TP variant
         is keyed by its layout's draft without TP; ``drafting`` False (every key again, where a floor fell)
         makes none that is not made yet: it is made when the variant comes first."""
-        floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
+        if c.draft is None and not c.tensor_parallel and c.kind is not Kind.INTERLEAVED:
+            return c.bound_ms  # nothing learnt bounds it before its draft (most of the queue, every time a floor falls)
+        floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
             return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
