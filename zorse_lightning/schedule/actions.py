@@ -7,8 +7,8 @@ messages into what the engine posts together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from zorse_lightning.schedule.plan import Plan, StagePlan
 
@@ -18,9 +18,10 @@ class ActionKind(str, Enum):
     BACKWARD = "B"
 
 
-@dataclass(frozen=True)
-class Action:
-    """One unit of work: forward or backward of one microbatch on one stage."""
+class Action(NamedTuple):
+    """One unit of work: forward or backward of one microbatch on one stage. A named tuple, as :class:`Message`:
+    the planner's recordings and plays make, hash and compare millions of them (a frozen dataclass took three
+    times as long for each), and the engine one per action and message of every step."""
 
     stage: int
     kind: ActionKind
@@ -39,8 +40,7 @@ class Action:
         raise ValueError(f"cannot parse action {text!r}; expected <stage><F|B><microbatch>, e.g. '1F3'")
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """A point-to-point transfer the executor performs around an action."""
 
     src: int
