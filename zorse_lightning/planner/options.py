@@ -58,7 +58,8 @@ class PlannerOptions:
     max_programs: int = 8
     """Integer programs to solve per plan, for the candidates with the best heuristic splits
     first (one more may run: a candidate that fits only with recomputation is solved twice).
-    More run only where no candidate gave a plan that fits, after every other candidate.
+    More run only where no candidate gave a plan that fits, after every other candidate, and for
+    the layout of the plan held at the stop where it is a heuristic split (its program may refine it).
     0: the heuristic splits only, unless none of them fits."""
     max_interleave: int = 4
     """Most layer chunks (virtual stages) per group of ranks the planner tries on its best plan

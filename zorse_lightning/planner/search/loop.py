@@ -39,7 +39,7 @@ from zorse_lightning.planner.search.ilp import SOLVER_NAME
 from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
 from zorse_lightning.planner.search.notes import plan_notes
 from zorse_lightning.planner.search.space import (
-    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, other_orders, structure,
+    WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, held_program, other_orders, structure,
 )
 from zorse_lightning.profiling.profile import ModelProfile
 from zorse_lightning.schedule.plan import Plan, SolverRecord
@@ -120,6 +120,10 @@ class _Loop:
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
         """The plans held whose other orders are queued, by structure."""
+        self.programmed: set[tuple] = set()
+        """The layouts and sizes an integer program was solved (or queued at the stop) for."""
+        self.held_programs: set[tuple] = set()
+        """The layouts and sizes of plans held whose programs run past ``max_programs`` (:meth:`_program_held`)."""
         self.waiting: list[Candidate] = []
         """Integer programs past ``max_programs`` while no plan fitted (:meth:`run`)."""
         self.unlimited = False
@@ -160,7 +164,7 @@ class _Loop:
 
     def _drain(self) -> None:
         world = self.search.ctx.inventory.world_size
-        while self.queue:
+        while self.queue or self._program_held():  # the plan held's program, once every candidate is taken
             if self.choice.floors != self.floors:  # keys scaled by a floor that fell are too high: every key again
                 self.floors = dict(self.choice.floors)
                 self.queue = [(self._refined(c, False), order, c) for _, order, c in self.queue] + [
@@ -170,7 +174,7 @@ class _Loop:
             bound, _, candidate = heapq.heappop(self.queue)
             if self.choice.past(bound):
                 self.parked.append(candidate)
-                if not self._ordered_held() and self.choice.floors == self.floors:
+                if not self._ordered_held() and self.choice.floors == self.floors and not self._program_held():
                     return  # every candidate left is bounded as high, none with a smaller margin than 1
                 continue
             refined = self._refined(candidate)
@@ -197,6 +201,17 @@ class _Loop:
         for order in other_orders(self.search, chosen):
             self._push(order)
         return len(self.queue) > queued
+
+    def _program_held(self) -> bool:
+        """At the stop, queue the plan held's layout's integer program where none was solved
+        (:func:`.space.held_program`): it may refine the answer; whether it was queued."""
+        program = self.choice.chosen and held_program(self.search, self.choice.chosen)
+        if program is None or (program.layout, program.microbatch_size) in self.programmed:
+            return False
+        self.programmed.add((program.layout, program.microbatch_size))
+        self.held_programs.add((program.layout, program.microbatch_size))
+        self._push(program)
+        return True
 
     def _refined(self, c: Candidate, drafting: bool = True) -> float:
         """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
@@ -255,12 +270,13 @@ class _Loop:
         if c.kind is Kind.INTERLEAVED:
             return [] if self._twin_seen(c.draft, c.kind) else self._interleaved(c)
         if c.kind is Kind.PROGRAM:
-            if self.solves >= search.options.max_programs and not self.unlimited:
+            if self.solves >= search.options.max_programs and not self.unlimited and (c.layout, c.microbatch_size) not in self.held_programs:
                 if choice.chosen is None:
                     self.waiting.append(c)
                 return []
             plan, solved = program_split(search, c.layout, c.microbatch_size, c.plan)
             self.solves += solved
+            self.programmed.add((c.layout, c.microbatch_size))
             if self.programs is not None:
                 self.programs.add(ProgramRun(
                     len(c.layout), c.microbatch_size, bool(plan and plan.stages[0].recompute),

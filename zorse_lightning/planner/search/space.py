@@ -24,7 +24,7 @@ from zorse_lightning.planner.cost.tensor_parallel import tensor_parallel_degrees
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search.bound import any_layout_lower_bound_ms, lower_bound_ms
-from zorse_lightning.planner.search.heuristic import speed_by_type
+from zorse_lightning.planner.search.heuristic import HEURISTIC, speed_by_type
 from zorse_lightning.planner.search.layouts import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.search.problem import WindowCosts, stage_groups
 from zorse_lightning.profiling.profile import ModelProfile
@@ -198,7 +198,7 @@ def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bo
         yield Candidate(found.bound_ms, Kind.GATHERED, layout, m)
     if plan is None:
         return
-    if found.kind is Kind.SPLIT and programs_left and not split and not (len(layout) == 1 and len(stage_groups(search.ctx, layout[0])) == 1):
+    if found.kind is Kind.SPLIT and programs_left and not split and _has_choice(search, layout):
         yield Candidate(found.bound_ms, Kind.PROGRAM, layout, m, plan=plan)
     if plan.interleave == 1 and capabilities.SUPPORTS_INTERLEAVING and not any(s.gather_per_microbatch for s in plan.stages):
         thick = min(s.num_layers for s in plan.stages)
@@ -209,6 +209,25 @@ def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bo
                     search.bound_ms(stages, split, plan.microbatch_size, degree), Kind.INTERLEAVED, stages, plan.microbatch_size, degree, plan,
                     tensor_parallel=split,
                 )
+
+
+def held_program(search: Search, held: Plan) -> Candidate | None:
+    """The integer program of the layout of ``held`` (the plan the search holds, simulated) at its size, where its
+    split is the heuristic's and the program has something to choose: programs go to the layouts of least bound
+    first, up to ``max_programs``, and the plan held's may be past them (a100x4_v100x4 Llama 7B: its program
+    moves a layer to the A100s, 6860.3 to 6818.8 ms, the 49th program of the search). None where programs are
+    off, or the plan has TP or gathers (the program models neither)."""
+    layout = tuple(s.ranks for s in held.rank_groups)
+    if held.solver.name != HEURISTIC.name or not search.options.max_programs or not _has_choice(search, layout):
+        return None
+    if held.interleave > 1 or any(s.tensor_parallel > 1 or s.gather_per_microbatch for s in held.stages):
+        return None
+    return Candidate(search.bound_ms(layout, (), held.microbatch_size), Kind.PROGRAM, layout, held.microbatch_size)
+
+
+def _has_choice(search: Search, layout: Layout) -> bool:
+    """Whether the integer program has a split to choose: more than one stage, or one stage of several groups."""
+    return not (len(layout) == 1 and len(stage_groups(search.ctx, layout[0])) == 1)
 
 
 def other_orders(search: Search, chosen: Plan) -> Iterator[Candidate]:
