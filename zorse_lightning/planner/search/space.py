@@ -212,11 +212,13 @@ def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bo
 
 
 def held_program(search: Search, held: Plan) -> Candidate | None:
-    """The integer program of the layout of ``held`` (the plan the search holds, simulated) at its size, where its
-    split is the heuristic's and the program has something to choose: programs go to the layouts of least bound
-    first, up to ``max_programs``, and the plan held's may be past them (a100x4_v100x4 Llama 7B: its program
-    moves a layer to the A100s, 6860.3 to 6818.8 ms, the 49th program of the search). None where programs are
-    off, or the plan has TP or gathers (the program models neither)."""
+    """The integer program of the layout of ``held`` (the plan the search holds at its stop) at its size, where
+    its split is the heuristic's and the program has something to choose: programs go to the layouts of least
+    bound first, up to ``max_programs``, and the plan held's may be past them (a100x4_v100x4 Llama 7B: its
+    program moves a layer to the A100s, 6860.3 to 6818.8 ms; without a limit the search came to it only at its
+    49th program). None where programs are off, where the plan has TP or gathers (the program models neither),
+    and where it is interleaved: at 32 synthetic GPUs its plain layout's program cost 3 programs and 15 plays
+    more, for the same plan."""
     layout = tuple(s.ranks for s in held.rank_groups)
     if held.solver.name != HEURISTIC.name or not search.options.max_programs or not _has_choice(search, layout):
         return None
