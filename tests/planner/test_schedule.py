@@ -134,6 +134,17 @@ def test_validation_rejects_broken_programs():
 
 
 
+def test_a_plan_repriced_keeps_its_structure_and_leaves_the_original_alone():
+    from zorse_lightning.schedule.plan import Prediction
+
+    plan = hand_plan([((0, 1), (2, 1), (0, 1)), ((2,), (3,), (1, 2))])
+    predicted = Prediction(iteration_ms=12.5, samples_per_s=240.0, memory_gib=(1.0, 1.0, 2.0), profile_source={})
+    repriced = plan.with_prediction(predicted)
+    assert repriced.predicted == predicted and plan.predicted is None
+    assert repriced.stages is plan.stages and repriced.to_dict() == {**plan.to_dict(), "predicted": repriced.to_dict()["predicted"]}
+    assert repriced.with_prediction(None) == plan
+
+
 def test_uneven_shares_between_stages_of_different_widths_never_deadlock():
     # Shares like these deadlocked when each rank's 1F1B program was written on its own
     # (found by brute force on 1-2-1 layouts: a 2/6 split of the middle stage).

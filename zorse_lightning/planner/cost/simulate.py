@@ -89,7 +89,7 @@ def with_simulated_prediction(ctx: CostContext, plan: Plan) -> Plan:
     timeline = simulate(ctx, plan)
     ms = timeline.makespan_ms
     predicted = plan.predicted or prediction(ctx, plan, plan_cost(ctx, plan))
-    return replace(plan, predicted=replace(
+    return plan.with_prediction(replace(
         predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0,
         closed_form_ms=timeline.predicted_iteration_ms,
     ))

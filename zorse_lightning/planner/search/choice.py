@@ -144,7 +144,7 @@ class Choice:
         twin = self.twins.get(key)
         if twin is not None:
             ms, closed_ms = _ms(twin), twin.predicted.closed_form_ms
-            self.pool[index] = replace(plan, predicted=replace(
+            self.pool[index] = plan.with_prediction(replace(
                 plan.predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0, closed_form_ms=closed_ms,
             ))
             self.proxies.add(id(self.pool[index]))
@@ -178,7 +178,7 @@ class Choice:
                 index = next(i for i, kept in enumerate(self.pool) if kept is self.chosen)
                 self.proxies.discard(id(self.chosen))
                 own = replace(self.chosen.predicted, iteration_ms=self.chosen.predicted.closed_form_ms, closed_form_ms=None)
-                self._play(index, replace(self.chosen, predicted=own))
+                self._play(index, self.chosen.with_prediction(own))
                 self.chosen = min(self.pool, key=_rank_ms)
                 continue
             if self.simulate(self.chosen):

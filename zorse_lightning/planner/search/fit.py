@@ -64,7 +64,7 @@ def heuristic_split(search: Search, layout, m: int, degrees: tuple[int, ...], dr
     capping each stage at what its memory holds in the integer program's model (not with TP, which that model
     does not hold), and with recomputation the same again."""
     moved = (lambda plan, *_: _balanced(search, layout, m, plan.stages[0].recompute, True)) if not degrees else (lambda *_: None)  # noqa: E731
-    start = draft and with_free_memory_shards(search.ctx, replace(draft, predicted=None))
+    start = draft and with_free_memory_shards(search.ctx, draft.with_prediction(None))
     return fit(search, start, None, moved, lambda _: _balanced(search, layout, m, True, False, degrees))
 
 
@@ -124,7 +124,7 @@ def _calibrated(search: Search, plan: Plan) -> Plan:
     plain = replace(plan, stages=tuple(replace(s, gather_per_microbatch=False) for s in plan.stages))
     played = simulate(search.ctx, plain)
     ms = plan.predicted.iteration_ms * played.makespan_ms / played.predicted_iteration_ms
-    return replace(plan, predicted=replace(
+    return plan.with_prediction(replace(
         plan.predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0, closed_form_ms=plan.predicted.iteration_ms,
     ))
 
@@ -221,9 +221,9 @@ def unsharded_where_free(search: Search, plan: Plan, cost: PlanCost | None = Non
         if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
             stages[i], stage_costs[i] = unsharded, replace(cost.stages[i], sync_ms=own_sync_ms, update_ms=update_ms, memory=memory)
     if stages == list(plan.stages):
-        return replace(plan, predicted=prediction(ctx, plan, cost))
+        return plan.with_prediction(prediction(ctx, plan, cost))
     unsharded_plan = replace(plan, stages=tuple(stages))
-    return replace(unsharded_plan, predicted=prediction(ctx, unsharded_plan, with_stage_costs(cost, tuple(stage_costs))))
+    return unsharded_plan.with_prediction(prediction(ctx, unsharded_plan, with_stage_costs(cost, tuple(stage_costs))))
 
 
 def _priced(search: Search, plan: Plan | None) -> tuple[Plan, PlanCost, list] | None:
@@ -241,12 +241,12 @@ def _fitting(search: Search, priced: tuple[Plan, PlanCost, list] | None) -> Plan
     if priced is None or priced[2]:
         return None
     plan, cost, _ = priced
-    return unsharded_where_free(search, plan, cost) if plan.interleave == 1 else replace(plan, predicted=prediction(search.ctx, plan, cost))
+    return unsharded_where_free(search, plan, cost) if plan.interleave == 1 else plan.with_prediction(prediction(search.ctx, plan, cost))
 
 
 def _closed_form(search: Search, plan: Plan) -> Plan:
     """``plan`` predicted by its closed form without memory (no programs recorded)."""
-    return replace(plan, predicted=prediction(search.ctx, plan, plan_cost(search.ctx, plan, memory=False)))
+    return plan.with_prediction(prediction(search.ctx, plan, plan_cost(search.ctx, plan, memory=False)))
 
 
 def _sharded(search: Search, plan: Plan) -> Plan | None:

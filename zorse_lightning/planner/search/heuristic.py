@@ -11,7 +11,6 @@ intercepts, and a poor upper bound misleads which candidates get a program.
 from __future__ import annotations
 
 import heapq
-from dataclasses import replace
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.planner.cost.compute import per_sample_layer_ms
@@ -192,6 +191,6 @@ def priced(ctx: CostContext, plan: Plan) -> Plan | None:
     cost = plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
         return None
-    return replace(plan, predicted=prediction(ctx, plan, cost))
+    return plan.with_prediction(prediction(ctx, plan, cost))
 
 

@@ -309,7 +309,7 @@ class _Loop:
         key = (layout, m, degrees)
         if key not in self.drafts:
             plan = split_draft(self.search, layout, m, degrees)
-            self.drafts[key] = plan and replace(plan, predicted=prediction(self.search.ctx, plan, self._base(plan)))
+            self.drafts[key] = plan and plan.with_prediction(prediction(self.search.ctx, plan, self._base(plan)))
         return self.drafts[key]
 
     def _interleaved(self, c: Candidate) -> list[Plan]:
