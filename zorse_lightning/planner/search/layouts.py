@@ -1,12 +1,10 @@
 """Candidate stage layouts: which GPUs form each stage, and in which order the stages run.
 
-Pipeline stages exchange only activations (a few MB per microbatch), while the
-GPUs inside a stage synchronise every gradient of the stage: so slow links should
-fall *between* stages. As the Zorse paper's min-k-cut, the GPUs are grouped by
-agglomeration on link bandwidth (Kruskal's algorithm on the bandwidth graph,
-fastest links first): every prefix of the merge order is a partition, one for
-each number of groups. The units merged are *cells*: the GPUs of one type and
-memory on one machine. Big groups may be split further (more stages, less
+Pipeline stages exchange only activations (a few MB per microbatch), while the GPUs inside a stage synchronise
+every gradient of the stage: so slow links should fall *between* stages. As the Zorse paper's min-k-cut, the
+GPUs are grouped by agglomeration on link bandwidth (Kruskal's algorithm on the bandwidth graph, fastest links
+first): every prefix of the merge order is a partition, one for each number of groups. The units merged are
+*cells*: the GPUs of one type and memory on one machine. Big groups may be split further (more stages, less
 memory per GPU). Cost: O(C^2 log C) for C cells (128 machines: 8128 pairs).
 """
 
@@ -54,14 +52,10 @@ def stage_counts_to_try(num_cells: int, max_stages: int) -> list[int]:
 
 
 def partitions(
-    inventory: ClusterInventory,
-    links: LinkTable,
-    speed_by_type: dict[str, float],
-    stage_counts: list[int],
+    inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float], stage_counts: list[int],
     ranks: tuple[int, ...],
 ) -> list[list[tuple[int, ...]]]:
-    """Agglomerate the cells of ``ranks`` by descending bandwidth; ties merge GPUs of
-    similar speed first."""
+    """Agglomerate the cells of ``ranks`` by descending bandwidth; ties merge GPUs of similar speed first."""
     not_positive = {t: v for t, v in speed_by_type.items() if not v > 0}
     if not_positive:
         raise PlanningError(
@@ -78,22 +72,15 @@ def partitions(
             i = parent[i]
         return i
 
-    def bandwidth(a: Cell, b: Cell) -> float:
-        return links.bandwidth_gbps(a.ranks[0], b.ranks[0])
+    def edge_key(edge: tuple[int, int]) -> tuple:
+        """Bandwidth first, then the gap in speed (a log ratio), then the cells' order."""
+        a, b = found[edge[0]], found[edge[1]]
+        speed_gap = abs(math.log(speed_by_type[a.gpu_type] / speed_by_type[b.gpu_type]))
+        return -links.bandwidth_gbps(a.ranks[0], b.ranks[0]), speed_gap, edge
 
-    def speed_gap(a: Cell, b: Cell) -> float:
-        return abs(math.log(speed_by_type[a.gpu_type] / speed_by_type[b.gpu_type]))
-
-    edges = sorted(
-        combinations(range(len(found)), 2),
-        key=lambda e: (-bandwidth(found[e[0]], found[e[1]]), speed_gap(found[e[0]], found[e[1]]), e),
-    )
-    wanted = set(stage_counts)
-    groups_left = len(found)
-    out = []
-    if groups_left in wanted:
-        out.append(_snapshot(found, root))
-    for a, b in edges:
+    wanted, groups_left = set(stage_counts), len(found)
+    out = [_snapshot(found, root)] if groups_left in wanted else []
+    for a, b in sorted(combinations(range(len(found)), 2), key=edge_key):
         ra, rb = root(a), root(b)
         if ra == rb:
             continue
@@ -156,17 +143,12 @@ def stage_orders(
         sorted(range(len(groups)), key=lambda i: -memory[i]),
         sorted(range(len(groups)), key=lambda i: -memory[i] / speed[i]),
     ]
-    unique: list[Layout] = []
-    for order in orders:
-        layout = tuple(groups[i] for i in order)
-        if layout not in unique:
-            unique.append(layout)
-    return unique
+    return list(dict.fromkeys(tuple(groups[i] for i in order) for order in orders))  # each once, in this order
 
 
 def _best_path(table: list[list[float]]) -> list[int]:
-    """Greedy path through the groups from every start, keeping the one whose slowest
-    boundary is fastest (then the least total transfer time, 1 / bandwidth)."""
+    """Greedy path through the groups from every start, keeping the one whose slowest boundary is fastest
+    (then the least total transfer time, 1 / bandwidth)."""
     best, best_key = None, None
     n = len(table)
     for start in range(n):
@@ -183,37 +165,26 @@ def _best_path(table: list[list[float]]) -> list[int]:
 
 
 def candidate_layouts(
-    inventory: ClusterInventory,
-    links: LinkTable,
-    speed_by_type: dict[str, float],
-    max_stages: int,
+    inventory: ClusterInventory, links: LinkTable, speed_by_type: dict[str, float], max_stages: int,
     ranks: tuple[int, ...] | None = None,
 ) -> list[Layout]:
-    """Every partition of the agglomeration of ``ranks`` (default: all), and its splits,
-    in every order worth trying."""
+    """Every partition of the agglomeration of ``ranks`` (default: all), and its splits, in every order worth
+    trying."""
     ranks = tuple(range(inventory.world_size)) if ranks is None else ranks
     counts = stage_counts_to_try(len(cells(inventory, ranks)), max_stages)
-    base = partitions(inventory, links, speed_by_type, counts, ranks)
     grouped: list[list[tuple[int, ...]]] = []
-    for groups in base:
+    for groups in partitions(inventory, links, speed_by_type, counts, ranks):
         for parts in (1, *SPLIT_FACTORS):
             split = split_groups(groups, parts) if parts > 1 else groups
             if len(split) <= max_stages and split not in grouped:
                 grouped.append(split)
-    layouts: list[Layout] = []
-    for groups in grouped:
-        for layout in stage_orders(groups, inventory, links, speed_by_type):
-            if layout not in layouts:
-                layouts.append(layout)
-    return layouts
+    return list(dict.fromkeys(layout for groups in grouped for layout in stage_orders(groups, inventory, links, speed_by_type)))
 
 
 def fastest_type_subsets(inventory: ClusterInventory, speed_by_type: dict[str, float]) -> list[tuple[int, ...]]:
-    """All ranks, then the ranks of the fastest types only: fastest one, fastest two, ...
-
-    A plan may leave slow GPUs idle when they, or the links to them, would slow the
-    rest down (for example GPUs in another datacenter behind a slow link).
-    """
+    """All ranks, then the ranks of the fastest types only: fastest one, fastest two, ... A plan may leave slow
+    GPUs idle when they, or the links to them, would slow the rest down (GPUs in another datacenter behind a
+    slow link)."""
     order = sorted(speed_by_type, key=lambda t: -speed_by_type[t])
     subsets = [tuple(range(inventory.world_size))]
     for count in range(len(order) - 1, 0, -1):
