@@ -20,14 +20,7 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import bytes_to_gib
 from zorse_lightning.planner.cost.evaluate import (
-    PlanCost,
-    memory_overruns,
-    plan_cost,
-    prediction,
-    stage_memory,
-    stage_own_sync_ms,
-    stage_update_ms,
-    with_stage_costs,
+    PlanCost, memory_overruns, plan_cost, prediction, stage_memory, stage_own_sync_ms, stage_update_ms, with_stage_costs,
 )
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.planner.interleaving import interleave, with_layer_counts
@@ -35,13 +28,7 @@ from zorse_lightning.planner.rounding import proportional_counts
 from zorse_lightning.planner.search.heuristic import balanced_plan
 from zorse_lightning.planner.search.ilp import solve_assignment
 from zorse_lightning.planner.search.problem import (
-    SEARCH_SHARDING,
-    Candidate as ProgramCandidate,
-    build_problem,
-    layout_plan,
-    level_with,
-    stage_plan,
-    to_plan,
+    SEARCH_SHARDING, Candidate as ProgramCandidate, build_problem, layout_plan, level_with, stage_plan, to_plan,
     with_free_memory_shards,
 )
 from zorse_lightning.planner.search.space import Search
@@ -173,16 +160,15 @@ def fit(
     recomputed: Callable[[Plan], Plan | None] = lambda _: None,
 ) -> list[Plan]:
     """``plan`` priced where it fits, else the remedies of the module's order, each on what the ones before
-    left over memory: the plans that fit, priced (``past``: where given, no layer is moved once the plan
-    could no longer change the choice) (the choice keeps the fastest); none where no remedy
-    helps. ``moved`` (given the plan, its cost and overruns) and ``recomputed``: how this kind of plan moves
-    layers and recomputes."""
+    left over memory: the plans that fit, priced (the choice keeps the fastest); none where no remedy helps.
+    ``past``: where given, no layer is moved once the plan could no longer change the choice. ``moved``
+    (given the plan, its cost and overruns) and ``recomputed``: how this kind of plan moves layers and
+    recomputes."""
     fitting: list[Plan] = []
     for attempt in (plan, recomputed(plan) if plan is not None else None):
         chain = _priced(search, attempt)
         if chain is not None and chain[2]:
-            sharded = _priced(search, _sharded(search, chain[0]))
-            chain = sharded or chain
+            chain = _priced(search, _sharded(search, chain[0])) or chain
         if chain is not None and chain[2] and search.options.allow_offload:
             fitting += [p for p in [_fitting(search, _priced(search, _offloaded(*chain)))] if p]
         while chain is not None and chain[2]:
@@ -274,10 +260,9 @@ def _offloaded(plan: Plan, cost: PlanCost, over: list) -> Plan | None:
 def _layer_moved(plan: Plan, cost: PlanCost, over: list[tuple[int, int, float]], busy: list[float], overran: set[int]) -> Plan | None:
     """``plan`` (interleaved) with layers moved off the group most over memory, as many whole layers as its
     excess over its memory per layer (which counts its fixed memory too: a move never overshoots), at least
-    one, each to the
-    group never over memory (``overran`` collects them, so no layer moves back) then least busy (``busy``:
-    the plain plan's busy time per group, scaled by layers); None where no group can give one (each needs a
-    layer per chunk) or take one."""
+    one, each to the group never over memory (``overran`` collects them, so no layer moves back) then least
+    busy (``busy``: the plain plan's busy time per group, scaled by layers); None where no group can give one
+    (each needs a layer per chunk) or take one."""
     counts = [sum(plan.stages[s].num_layers for s in plan.stages_of_group(g)) for g in range(plan.num_groups)]
     donor, rank, excess_gib = max(over, key=lambda o: o[2])
     group = plan.rank_groups[donor]
