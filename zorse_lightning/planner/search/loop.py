@@ -226,7 +226,8 @@ class _Loop:
             return c.bound_ms  # nothing learnt bounds it before its draft (most of the queue, every time a floor falls)
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            return max(c.bound_ms, self._best_case_ms(c.draft, self._most_interleave(c.draft)) * floor)
+            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
+            return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
             key = (tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
             if not drafting and key not in self.drafts:
@@ -239,14 +240,12 @@ class _Loop:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
 
-    def _most_interleave(self, plan: Plan) -> int:
-        return degrees(plan, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
-
     def _best_case_ms(self, plain: Plan, degree: int) -> float:
         """``plain``'s closed form less what interleaving it at ``degree``, or splitting its layers over TP
         groups of that many GPUs, could save: the compute of its fill and drain made ``degree`` times shorter
-        (their transfers stay, as the closed form counts them). Neither makes a GPU's own work smaller (a TP group's GPUs each run every microbatch of their
-        replica, each layer at the one-GPU time over the degree at an efficiency of at most 1)."""
+        (their transfers stay, as the closed form counts them). Neither makes a GPU's own work smaller (a TP
+        group's GPUs each run every microbatch of their replica, each layer at the one-GPU time over the degree
+        at an efficiency of at most 1)."""
         base = self._base(plain)
         transfers_ms = sum(2 * boundary.transfer_ms for boundary in base.boundaries)  # one each way, whatever the degree
         return base.iteration_ms - max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
@@ -305,7 +304,6 @@ class _Loop:
     def _split_draft(self, layout, m: int, degrees: tuple[int, ...]) -> Plan | None:
         """The heuristic split of ``layout`` at size ``m`` (TP ``degrees``) in the closed form, made once: a
         layout's TP variants are keyed by its draft without TP."""
-
         key = (layout, m, degrees)
         if key not in self.drafts:
             plan = split_draft(self.search, layout, m, degrees)
@@ -316,7 +314,6 @@ class _Loop:
         """An interleaved draft made to fit: the moves of its remedies only while its closed form, times the
         floor of the simulation, could still change the choice; its memory is paid from the budget where
         pricing it records programs (a shape not recorded yet: layers moved or offloaded record none)."""
-
         def past(plan: Plan) -> bool:
             work = 0 if programs_recorded(self.search.ctx, plan) else work_of(plan)
             estimate_ms = plan.predicted.iteration_ms * self.choice.floor(True)
@@ -366,11 +363,9 @@ class _Loop:
         main = plans[-1] if plans and not any(s.offload_activations for s in plans[-1].stages) else None
         if main is not None and self._twin_seen(main, None):  # what it opens, its twin opened
             return
-        remedied = main is None  # only offload fits, or nothing: gathering per microbatch is the other remedy
         if main is None and candidate.kind is Kind.SPLIT and not candidate.tensor_parallel:  # the program may find a split that fits
             self._push(replace(candidate, kind=Kind.PROGRAM))
-        programs_left = self.solves < self.search.options.max_programs
-        for follow_up in follow_ups(self.search, candidate, main, remedied, programs_left):
+        for follow_up in follow_ups(self.search, candidate, main, self.solves < self.search.options.max_programs):
             self._push(follow_up)
 
     def result(self, started: float) -> Plan:

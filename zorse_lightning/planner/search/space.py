@@ -163,7 +163,9 @@ def structure(plan: Plan) -> tuple:
 def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], Callable[[], Plan | None], bool]]) -> Iterator[Candidate]:
     """Every layout at every microbatch size (split by the heuristic, or by the program where layer counts
     are pinned), the one-stage layouts gathered per microbatch too (pipelines are where their split needs
-    a remedy to fit: :func:`follow_ups`), and the ``baselines``: each with the ranks it may use and whether
+    a remedy to fit: :func:`follow_ups`), each layout with its stages split over TP groups at each degree some
+    stage admits (keyed, until drafted, by the draft of the layout without TP too:
+    :meth:`.loop._Loop._refined`), and the ``baselines``: each with the ranks it may use and whether
     the planner plans it (the fastest type alone), bounded by any layout of those ranks or, where the
     planner plans it, by the search's own layouts of exactly those ranks (a sub-cluster's planner proposes
     the same)."""
@@ -174,27 +176,21 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
             yield Candidate(bound, kind, layout, m)
             if len(layout) == 1 and len(layout[0]) > 1:
                 yield Candidate(bound, Kind.GATHERED, layout, m)
-            yield from tensor_parallel_variants(search, layout, m)
+            for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
+                yield Candidate(search.bound_ms(*split, m), Kind.SPLIT, split[0], m, tensor_parallel=split[1])
     for ranks, build, searched in baselines:
         bound = min(any_layout_lower_bound_ms(search.ctx, ranks, m, search.global_batch_size) for m in search.sizes)
         same = [search.bound_ms(l, (), m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
         yield Candidate(max(bound, min(same, default=bound)), Kind.BASELINE, (ranks,), baseline=build)
 
 
-def tensor_parallel_variants(search: Search, layout: Layout, m: int) -> Iterator[Candidate]:
-    """``layout`` at size ``m`` with its stages split over TP groups, at each degree some stage admits (keyed, until
-    drafted, by the draft of the layout without TP too: :meth:`.loop._Loop._refined`)."""
-    for split in filter(None, (search.split_over(layout, t) for t in search.tensor_parallel_degrees)):
-        yield Candidate(search.bound_ms(*split, m), Kind.SPLIT, split[0], m, tensor_parallel=split[1])
-
-
-def follow_ups(search: Search, found: Candidate, plan: Plan | None, remedied: bool, programs_left: bool) -> Iterator[Candidate]:
-    """What a plain ``plan`` of candidate ``found`` opens (None: nothing of it fits): the layout gathered per
-    microbatch where the plan needed a remedy to fit (``remedied``); its layout split by the integer program (where it has
-    something to choose and programs are left), and each interleaving degree it admits. A plan with TP opens
-    only its interleavings: the engine gathers no TP stage, and the program does not model TP."""
+def follow_ups(search: Search, found: Candidate, plan: Plan | None, programs_left: bool) -> Iterator[Candidate]:
+    """What a plain ``plan`` of candidate ``found`` opens (None: only a plan offloading activations fits, or
+    nothing): where None, the layout gathered per microbatch (the other remedy); its layout split by the integer
+    program (where it has something to choose and programs are left), and each interleaving degree it admits. A
+    plan with TP opens only its interleavings: the engine gathers no TP stage, and the program does not model TP."""
     layout, m, split = found.layout, found.microbatch_size, found.tensor_parallel
-    if remedied and not split and len(layout) > 1 and capabilities.SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES and sum(map(len, layout)) > len(layout):
+    if plan is None and not split and len(layout) > 1 and capabilities.SUPPORTS_GATHER_PER_MICROBATCH_IN_PIPELINES and sum(map(len, layout)) > len(layout):
         yield Candidate(found.bound_ms, Kind.GATHERED, layout, m)
     if plan is None:
         return
