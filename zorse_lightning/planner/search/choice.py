@@ -26,18 +26,16 @@ IDLE_MARGIN = 0.02
 using every GPU to be chosen."""
 INTERLEAVE_MARGIN = 0.005
 """How much faster, in the simulation of the engine's programs, an interleaved plan must be than the fastest
-plan without interleaving (and a plan with tensor parallelism than the fastest without). The simulation prices what interleaving adds (V times the messages, the chunk
-order the engine runs) and the interleaved plan's memory is priced from its own programs, so the margin only
-breaks near-ties towards the plainer plan. At 2 % it kept out a structure the simulation puts 0.9 % ahead
-(four one-machine groups interleaved x3 on a cluster of four types, ``tests/planner/test_planner_ranking.py``),
-which a peer planner finds."""
+plan without interleaving (and a plan with tensor parallelism than the fastest without). The simulation
+prices what interleaving adds (V times the messages, the chunk order the engine runs) and the interleaved
+plan's memory is priced from its own programs, so the margin only breaks near-ties towards the plainer plan.
+At 2 % it kept out a structure the simulation puts 0.9 % ahead (four one-machine groups interleaved x3 on a
+cluster of four types, ``tests/planner/test_planner_ranking.py``), which a peer planner finds."""
 CLOSED_FORM_SPREAD = 2.0
 """The simulation of a plan never came below ``1 / CLOSED_FORM_SPREAD`` of its closed form (0.55x at its
 lowest, over the candidates of every shipped cluster and reference model;
 ``tests/planner/test_planner_ranking.py`` checks the plans it keeps): the closed form is no bound of the
 simulation, so this measured floor stands in for one when the search decides which plans to simulate."""
-
-
 PLAY_OVERHEAD = 2**12
 """What any simulation or recording costs beyond its ``2 V M R`` (building the programs, the events, the
 prediction), in the same units: an 8-GPU plan of 384 units took 40-60 ms to simulate here, a 1024-GPU plan of
@@ -126,13 +124,11 @@ class Choice:
     proxies: set[int] = field(default_factory=set)
     """``id`` of each plan of the pool predicted by its twin's simulation."""
 
-    def offer(self, plan: Plan | None) -> Plan | None:
-        """Keep ``plan`` (None: nothing fits); returns it."""
-        if plan is not None:
-            self.pool.append(plan)
-            if self.chosen is None or _rank_ms(plan) < _rank_ms(self.chosen):
-                self.chosen = plan
-        return plan
+    def offer(self, plan: Plan) -> None:
+        """Keep ``plan``, a plan that fits."""
+        self.pool.append(plan)
+        if self.chosen is None or _rank_ms(plan) < _rank_ms(self.chosen):
+            self.chosen = plan
 
     def simulate(self, plan: Plan) -> bool:
         """Simulate ``plan`` of the pool (no longer there: simulated already) where the budget allows, or take its

@@ -261,9 +261,8 @@ class _Loop:
             if c.kind is not Kind.SPLIT:
                 return []
         if c.kind is Kind.SPLIT:  # a split with no balanced draft is fitted at once (layers capped by memory)
-            if c.draft is not None and self._twin_seen(c.draft, c.kind):
-                return []
-            return heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel, c.draft)
+            twin = c.draft is not None and self._twin_seen(c.draft, c.kind)
+            return [] if twin else heuristic_split(search, c.layout, c.microbatch_size, c.tensor_parallel, c.draft)
         if c.kind is Kind.GATHERED:
             return gathered_fit(search, c.draft)
         if c.kind is Kind.INTERLEAVED:
@@ -375,10 +374,8 @@ class _Loop:
         if best is None:
             raise infeasible_error(search.ctx, list(search.layouts), list(search.sizes), search.schedule, search.global_batch_size, search.options)
         found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
-        record = SolverRecord(
-            SOLVER_NAME, f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated",
-            best.solver.objective_ms,
-        )
+        summary = f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated"
+        record = SolverRecord(SOLVER_NAME, summary, best.solver.objective_ms)
         notes = plan_notes(search, choice, self.refusals, best)
         return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=tuple(notes))
 
