@@ -47,10 +47,9 @@ def data_parallel_equal(ctx: CostContext, global_batch_size: int, options: Plann
         return None
     per_gpu = global_batch_size // world
     measured = ctx.profile.measured_sizes
+    sizes = {per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}
     plans = []
-    for m in sorted({per_gpu, *(m for m in options.microbatch_sizes if per_gpu % m == 0)}, reverse=True):
-        if measured is not None and m not in measured:
-            continue
+    for m in sorted((m for m in sizes if measured is None or m in measured), reverse=True):
         count = per_gpu // m
         stage = stage_plan(ctx, tuple(range(world)), (0, ctx.profile.num_layers), (count,) * world, Sharding.NONE, False)
         how = "one microbatch" if count == 1 else f"accumulating {count} microbatches of {m}"
@@ -124,16 +123,11 @@ def fastest_type_cluster(ctx: CostContext) -> tuple[ClusterInventory, tuple[int,
                 gpu_types=tuple(machine.gpu_types[i] for i in keep),
                 memory_budget_gib=tuple(machine.memory_budget_gib[i] for i in keep) if machine.memory_budget_gib else (),
             ))
-    names = {m.name for m in machines}
+    names, datacenters = {m.name for m in machines}, {m.datacenter for m in machines}
     sub = replace(
-        inventory,
-        name=f"{inventory.name}[{fastest} only]",
-        machines=tuple(machines),
+        inventory, name=f"{inventory.name}[{fastest} only]", machines=tuple(machines),
         machine_links=tuple(l for l in inventory.machine_links if {l.machine_a, l.machine_b} <= names),
-        datacenter_links=tuple(
-            l for l in inventory.datacenter_links
-            if {l.datacenter_a, l.datacenter_b} <= {m.datacenter for m in machines}
-        ),
+        datacenter_links=tuple(l for l in inventory.datacenter_links if {l.datacenter_a, l.datacenter_b} <= datacenters),
     )
     return sub, tuple(r for r, g in enumerate(inventory.gpus) if g.gpu_type.name == fastest)
 
