@@ -164,7 +164,7 @@ def bottleneck_bound_ms(
         layer_ms, edge_ms = per_layer[b], edge[b]
         slope_gap = num_m / capacity - busiest * layer_ms
         kink = busiest * edge_ms / slope_gap if slope_gap > 0 else 1.0
-        ks = (1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)) if stages > 1 else (num_layers,)
+        ks = {1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)} if stages > 1 else (num_layers,)
         bound = max(bound, min(
             max(busiest * (k * layer_ms + edge_ms), num_m * k / capacity) + (num_layers - k) * others_layer + others_edge for k in ks
         ))

@@ -154,7 +154,7 @@ def balanced_layer_counts(
     if min(caps) < 1 or sum(caps) < num_layers:
         return None
     message_bytes = max(b.output_bytes_per_sample for b in ctx.profile.layers) * microbatch_size
-    busiest = []  # per stage and GPU type: most microbatches on one GPU, its waits per microbatch, its TP terms
+    busiest = []  # per stage and GPU type: most microbatches on one GPU, its layer times, TP terms, extras and waits
     for s, (ranks, counts, degree) in enumerate(zip(layout, microbatches, degrees or (1,) * num_stages)):
         by_type: dict[str, list[int]] = {}
         most: dict[str, int] = {}
@@ -163,16 +163,15 @@ def balanced_layer_counts(
             by_type.setdefault(gpu_type, []).append(rank)
             most[gpu_type] = max(most.get(gpu_type, 0), n)
         busiest.append([
-            (t, most[t], receive_wait_ms(ctx, layout, s, tuple(of_type), message_bytes), *layer_terms(ctx, of_type[:degree], degree, microbatch_size, recompute))
+            (most[t], windows.time_ms(t, microbatch_size, recompute), *layer_terms(ctx, of_type[:degree], degree, microbatch_size, recompute),
+             block_extras(ctx, t, microbatch_size, s == 0, s == num_stages - 1)[0], receive_wait_ms(ctx, layout, s, tuple(of_type), message_bytes))
             for t, of_type in by_type.items()
         ])
 
-    def busy_ms(stage: int, layers: int) -> float:
-        first, last = stage == 0, stage == num_stages - 1
+    def busy_ms(stage: int, layers: int) -> float:  # asked once a layer per stage: its terms looked up above
         return max(
-            n * (windows.time_ms(t, microbatch_size, recompute)[layers - 1] * factor + layers * collectives_ms
-                 + block_extras(ctx, t, microbatch_size, first, last)[0] + wait)
-            for t, n, wait, factor, collectives_ms in busiest[stage]
+            n * (times[layers - 1] * factor + layers * collectives_ms + extras_ms + wait)
+            for n, times, factor, collectives_ms, extras_ms, wait in busiest[stage]
         )
 
     counts = [1] * num_stages
