@@ -190,7 +190,7 @@ def unsharded_where_free(search: Search, plan: Plan, cost: PlanCost | None = Non
     step. The iteration is the pipeline plus the longest such tail of any stage, so unsharding costs
     nothing while the stage's new tail stays within the plan's longest. Not so for interleaved plans, which keep
     their sharding: their groups end at staggered times, and the simulation shows the longer step the closed
-    form's longest tail hides (four16 Llama 3B x2, its A6000 and A10G groups unsharded: 4765.4 to 4788.5 ms)."""
+    form's longest tail hides (four16 Llama 3B x2 with the groups unsharded where free: 4765.4 to 4788.5 ms)."""
     ctx = search.ctx
     cost = cost or plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
