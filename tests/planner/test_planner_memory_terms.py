@@ -111,7 +111,7 @@ def test_a_real_gpus_rank_holds_its_communicators_memory_beside_the_reserve(monk
     from zorse_lightning.cluster.config import load_cluster
     from zorse_lightning.cluster.detection import DeviceReport, with_measured_nccl
     from zorse_lightning.planner.cost.context import CostContext
-    from zorse_lightning.planner.cost.evaluate import stage_memory
+    from zorse_lightning.planner.cost.stage_state import stage_memory
 
     for name in ("NCCL_BUFFSIZE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
         monkeypatch.delenv(name, raising=False)

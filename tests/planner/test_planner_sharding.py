@@ -25,13 +25,8 @@ from zorse_lightning.planner.cost.comm import (
 )
 from zorse_lightning.planner.cost.compute import lockstep_busy_ms
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import (
-    free_memory_shard_fractions,
-    gather_round_ms_of,
-    memory_overruns,
-    plan_cost,
-    stage_memory,
-)
+from zorse_lightning.planner.cost.evaluate import gather_round_ms_of, memory_overruns, plan_cost
+from zorse_lightning.planner.cost.stage_state import free_memory_shard_fractions, stage_memory
 from zorse_lightning.planner.cost.memory import StageParameters, stage_parameter_counts, stage_state_bytes
 from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.profiling.profile import BlockShape, BlockTimes, DeviceTimes, ModelProfile, ProfileSource, TimeCurve

@@ -13,7 +13,8 @@ from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import gather_round_ms_of, plan_cost, stage_memory, tied_sync_ms
+from zorse_lightning.planner.cost.evaluate import gather_round_ms_of, plan_cost, tied_sync_ms
+from zorse_lightning.planner.cost.stage_state import stage_memory
 from zorse_lightning.planner.cost.memory import profile_state_bytes
 from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.schedule.programs import build_schedule

@@ -169,4 +169,4 @@ class StageCost:
     sync_ms: float
     memory: tuple[RankMemory, ...]
     update_ms: tuple[float, ...]
-    """Each rank's optimizer step (:func:`.evaluate.stage_update_ms`), in the order of the stage's ranks."""
+    """Each rank's optimizer step (:func:`.stage_state.stage_update_ms`), in the order of the stage's ranks."""

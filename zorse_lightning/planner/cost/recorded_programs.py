@@ -1,5 +1,5 @@
 """The engine's programs of a plan and what each rank posts to its peers, recorded once per plan shape in a
-cost context: the memory of interleaved plans (:func:`.evaluate.rank_activation_bytes`) and the simulation
+cost context: the memory of interleaved plans (:func:`.stage_state.rank_activation_bytes`) and the simulation
 (:mod:`.simulate`) read them, and recording takes seconds at 1024 GPUs."""
 
 from __future__ import annotations

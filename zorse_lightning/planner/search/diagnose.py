@@ -6,7 +6,7 @@ from __future__ import annotations
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, stage_memory
+from zorse_lightning.planner.cost.stage_state import free_memory_shard_fractions, stage_memory
 from zorse_lightning.planner.search.layouts import Layout
 from zorse_lightning.planner.cost.memory import RankMemory
 from zorse_lightning.schedule.plan import Plan

@@ -20,8 +20,9 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import bytes_to_gib
 from zorse_lightning.planner.cost.evaluate import (
-    PlanCost, memory_overruns, plan_cost, prediction, stage_memory, stage_own_sync_ms, stage_update_ms, with_stage_costs,
+    PlanCost, memory_overruns, plan_cost, prediction, with_stage_costs,
 )
+from zorse_lightning.planner.cost.stage_state import stage_memory, stage_own_sync_ms, stage_update_ms
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.planner.interleaving import interleave, with_layer_counts
 from zorse_lightning.planner.rounding import proportional_counts

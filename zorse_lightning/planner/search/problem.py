@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from zorse_lightning.capabilities import TENSOR_PARALLEL_SHARDING, Schedule, Sharding
 from zorse_lightning.planner.cost.comm import stage_sync_ms, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
-from zorse_lightning.planner.cost.evaluate import free_memory_shard_fractions, tied_sync_ms
+from zorse_lightning.planner.cost.evaluate import tied_sync_ms
+from zorse_lightning.planner.cost.stage_state import free_memory_shard_fractions
 from zorse_lightning.planner.search.layouts import Layout, unused_ranks
 from zorse_lightning.planner.search.ilp import Assignment, AssignmentProblem, GroupCosts, StageCosts
 from zorse_lightning.planner.cost.memory import profile_state_bytes, stage_state_bytes
