@@ -143,6 +143,9 @@ def test_a_plan_repriced_keeps_its_structure_and_leaves_the_original_alone():
     assert repriced.predicted == predicted and plan.predicted is None
     assert repriced.stages is plan.stages and repriced.to_dict() == {**plan.to_dict(), "predicted": repriced.to_dict()["predicted"]}
     assert repriced.with_prediction(None) == plan
+    played = repriced.predicted_at(20.0, 12.5)
+    assert (played.predicted.iteration_ms, played.predicted.samples_per_s, played.predicted.closed_form_ms) == (20.0, 150.0, 12.5)
+    assert played.predicted.memory_gib == predicted.memory_gib and repriced.predicted == predicted
 
 
 def test_uneven_shares_between_stages_of_different_widths_never_deadlock():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,14 @@ class Plan:
         out = copy.copy(self)
         object.__setattr__(out, "predicted", predicted)
         return out
+
+    def predicted_at(self, iteration_ms: float, closed_form_ms: float | None) -> Plan:
+        """This plan with its prediction at ``iteration_ms`` (samples per second to match) and ``closed_form_ms`` the
+        closed form's figure beside it: a simulation's, a twin's or a calibration's time put on a plan priced."""
+        return self.with_prediction(replace(
+            self.predicted, iteration_ms=iteration_ms, samples_per_s=self.global_batch_size / iteration_ms * 1000.0,
+            closed_form_ms=closed_form_ms,
+        ))
 
     # -- views --------------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ within a few per cent of the closed form's ``(M + (S - 1) / V) t`` (tested).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from zorse_lightning.capabilities import P2PRules
@@ -88,11 +88,8 @@ def with_simulated_prediction(ctx: CostContext, plan: Plan) -> Plan:
     candidates in the search (it needs no programs); the plan a user gets says what its programs take."""
     timeline = simulate(ctx, plan)
     ms = timeline.makespan_ms
-    predicted = plan.predicted or prediction(ctx, plan, plan_cost(ctx, plan))
-    return plan.with_prediction(replace(
-        predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0,
-        closed_form_ms=timeline.predicted_iteration_ms,
-    ))
+    priced = plan if plan.predicted else plan.with_prediction(prediction(ctx, plan, plan_cost(ctx, plan)))
+    return priced.predicted_at(ms, timeline.predicted_iteration_ms)
 
 
 def _tail_events(plan: Plan, cost: PlanCost, free_at: list[float], drained_at: list[float]) -> list[TimelineEvent]:

@@ -140,9 +140,7 @@ class Choice:
         twin = self.twins.get(key)
         if twin is not None:
             ms, closed_ms = _ms(twin), twin.predicted.closed_form_ms
-            self.pool[index] = plan.with_prediction(replace(
-                plan.predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0, closed_form_ms=closed_ms,
-            ))
+            self.pool[index] = plan.predicted_at(ms, closed_ms)
             self.proxies.add(id(self.pool[index]))
         elif work_of(plan) > self.budget:
             return False

@@ -112,9 +112,7 @@ def _calibrated(search: Search, plan: Plan) -> Plan:
     plain = replace(plan, stages=tuple(replace(s, gather_per_microbatch=False) for s in plan.stages))
     played = simulate(search.ctx, plain)
     ms = plan.predicted.iteration_ms * played.makespan_ms / played.predicted_iteration_ms
-    return plan.with_prediction(replace(
-        plan.predicted, iteration_ms=ms, samples_per_s=plan.global_batch_size / ms * 1000.0, closed_form_ms=plan.predicted.iteration_ms,
-    ))
+    return plan.predicted_at(ms, plan.predicted.iteration_ms)
 
 
 def _runs(plan: Plan) -> bool:
