@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from zorse_lightning.capabilities import Schedule, Sharding
 from zorse_lightning.cluster.inventory import ClusterInventory
+from zorse_lightning.planner.interleaving import interleave
 from zorse_lightning.schedule.actions import ActionKind, messages_of
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch
 from zorse_lightning.schedule.plan import Plan, StagePlan
@@ -92,6 +93,16 @@ def random_layout(
             counts[rng.randrange(len(group))] += 1
         stages.append((tuple(group), tuple(counts), (index * layers_per_stage, (index + 1) * layers_per_stage)))
     return stages, idle
+
+
+def random_plan(rng) -> Plan:
+    """A random plan of :func:`random_layout`: widths 1-4, uneven shares (some ranks without any), idle ranks,
+    1-5 stages, GPipe or 1F1B, interleaving 1-4."""
+    stages, idle = random_layout(rng, max_world=10, max_cuts=4, max_microbatches=16, layers_per_stage=4, with_idle=True)
+    schedule = rng.choice([Schedule.ONE_F_ONE_B, Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+    plan = hand_plan(stages, schedule=schedule, idle_ranks=idle)
+    degree = rng.choice([1, 2, 3, 4])
+    return interleave(plan, degree) if degree > 1 and len(stages) > 1 else plan
 
 
 def in_backward_collectives(plan: Plan, programs, batches) -> list[tuple[HostCollective, ...]]:

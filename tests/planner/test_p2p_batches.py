@@ -7,11 +7,10 @@ import random
 from dataclasses import replace
 
 import pytest
-from testing.plans import hand_plan, in_backward_collectives, per_message_batches, random_layout
+from testing.plans import hand_plan, in_backward_collectives, per_message_batches, random_plan
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner.interleaving import interleave
 from zorse_lightning.schedule.p2p_batches import HostCollective, play_rendezvous
 from zorse_lightning.schedule.programs import build_schedule
 
@@ -55,23 +54,13 @@ def test_a_batch_missing_a_receive_is_refused():
         play_rendezvous(plan, schedule.programs, broken)
 
 
-def _random_plan(rng: random.Random):
-    """Widths 1-4, uneven shares (some ranks without any), idle ranks, 1-5 stages, GPipe or 1F1B, interleaving
-    1-4."""
-    stages, idle = random_layout(rng, max_world=10, max_cuts=4, max_microbatches=16, layers_per_stage=4, with_idle=True)
-    schedule = rng.choice([Schedule.ONE_F_ONE_B, Schedule.ONE_F_ONE_B, Schedule.GPIPE])
-    plan = hand_plan(stages, schedule=schedule, idle_ranks=idle)
-    degree = rng.choice([1, 2, 3, 4])
-    return interleave(plan, degree) if degree > 1 and len(stages) > 1 else plan
-
-
 def test_no_random_plan_deadlocks_under_nccl_rules_and_the_old_order_does():
     """200 random plans: every schedule (training and forward-only) passes the rendezvous play (build_schedule
     plays it); posting each message alone, as the engine did, hangs a large share of them."""
     rng = random.Random(29)
     old_order_hangs, kinds = 0, set()
     for _ in range(200):
-        plan = _random_plan(rng)
+        plan = random_plan(rng)
         kinds.add((plan.schedule, plan.interleave > 1, len(plan.rank_groups) >= 3))
         schedule = build_schedule(plan)
         build_schedule(plan, forward_only=True)
@@ -129,7 +118,7 @@ def test_no_random_plan_with_replicated_stages_hangs_with_its_collectives_and_th
     played = old_hangs = 0
     kinds = set()
     while played < 220:
-        plan = _random_plan(rng)
+        plan = random_plan(rng)
         if len(plan.stages) == 1 or all(len(group.ranks) == 1 for group in plan.rank_groups):
             continue
         played += 1

@@ -18,16 +18,17 @@ if TYPE_CHECKING:
 
 def schedule_programs(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
     """The engine's programs of ``plan`` (:func:`..schedule.played_programs`: covered, and played to
-    the end), once per plan shape in this context: the order of a rank's actions follows its stages'
-    ranks and microbatch shares, not their layers, sharding, activations or prediction (the remedies of
-    an interleaving degree that does not fit, layers moved or activations offloaded, record none again)."""
+    the end), once per plan shape in this context (:func:`_shape`): the order of a rank's actions follows
+    its stage's place, width and microbatch shares, not its ranks, layers, sharding, activations or
+    prediction (the remedies of an interleaving degree that does not fit, layers moved or activations
+    offloaded, and the same groups in another order, record none again)."""
     return _played(ctx, plan).programs
 
 
 def schedule_batches(ctx: CostContext, plan: Plan) -> tuple[tuple[P2PBatch, ...], ...]:
     """What each rank of ``plan`` posts to its peers, in order (:func:`..p2p_batches.rank_batches`, as
-    :func:`..schedule.build_schedule` gives the engine), once per plan shape in this context, as
-    :func:`schedule_programs`: only the plans whose messages are played under NCCL's rules need them."""
+    :func:`..schedule.build_schedule` gives the engine), once per plan in this context from its shape's
+    recording: only the plans whose messages are played under NCCL's rules need them."""
     played = _played(ctx, plan)
     if played.batches is None:
         played.batches = rank_batches(plan, played.programs, played.grid)
@@ -36,8 +37,8 @@ def schedule_batches(ctx: CostContext, plan: Plan) -> tuple[tuple[P2PBatch, ...]
 
 @dataclass
 class _Played:
-    """One plan shape's programs and unit-step grid (:func:`..schedule.played_programs`), and its batches
-    once asked for."""
+    """One plan's programs and unit-step grid (:func:`..schedule.played_programs`), and its batches once
+    asked for."""
 
     programs: tuple[tuple[Action, ...], ...]
     grid: tuple[tuple[Action | None, ...], ...]
@@ -50,11 +51,34 @@ def programs_recorded(ctx: CostContext, plan: Plan) -> bool:
 
 
 def _shape(plan: Plan) -> tuple:
-    return plan.schedule, plan.interleave, plan.microbatch_size, tuple((s.ranks, s.microbatches_per_rank) for s in plan.stages)
+    """What a plan's programs and their unit-step play depend on: each stage's width, shares and TP degree
+    in order, not which ranks it holds (the recording and its play walk the stages' ranks by position, and
+    each channel carries one sender's messages in its order), so plans of the same groups in other orders,
+    or on other GPUs, share one recording."""
+    return plan.schedule, plan.interleave, plan.microbatch_size, tuple(
+        (len(s.ranks), s.microbatches_per_rank, s.tensor_parallel) for s in plan.stages
+    )
 
 
 def _played(ctx: CostContext, plan: Plan) -> _Played:
+    """``plan``'s programs and grid: recorded once per shape, given to each plan of the shape rank for rank
+    (its batches are its own: a step's receives keep the order of their senders' ranks)."""
     key = _shape(plan)
     if key not in ctx._programs:
-        ctx._programs[key] = _Played(*played_programs(plan))
-    return ctx._programs[key]
+        ctx._programs[key] = (plan, played_programs(plan), {})
+    source, (programs, grid), mine = ctx._programs[key]
+    ranks = tuple(s.ranks for s in plan.stages)
+    if ranks not in mine:
+        mine[ranks] = _Played(*(_moved(rows, source, plan) for rows in (programs, grid)))
+    return mine[ranks]
+
+
+def _moved(rows: tuple[tuple, ...], source: Plan, plan: Plan) -> tuple[tuple, ...]:
+    """``source``'s per-rank ``rows`` given to ``plan``'s ranks, stage position for position."""
+    if source is plan:
+        return rows
+    out = [()] * plan.world_size
+    for before, after in zip(source.stages, plan.stages):
+        for old, new in zip(before.ranks, after.ranks):
+            out[new] = rows[old]
+    return tuple(out)
