@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 from rich.console import Console
+from testing.plans import hand_plan
 
 from zorse_lightning import capabilities
 from zorse_lightning.capabilities import Schedule
@@ -131,6 +132,22 @@ def test_engine_programs_play_the_closed_form(groups: int, degree: int) -> None:
     plan = interleave(_plain(groups, 4, 2 * groups), degree)
     cost = plan_cost(ctx, plan)
     assert simulate(ctx, plan).makespan_ms == pytest.approx(cost.iteration_ms, rel=0.03)
+
+
+@pytest.mark.parametrize("microbatches, played_over_closed", [(2, 0.93), (4, 1.02), (8, 1.08)])
+def test_a_group_waits_for_the_chunks_other_groups_hold_heavier(microbatches: int, played_over_closed: float) -> None:
+    """Two single-GPU groups, the first holding chunks of 3 and 1 layers, the second 1 and 3: each does 4
+    layers a microbatch, but a round's chunk 0 lasts as long as the first group's and its chunk 1 as the
+    second's. With one round (2 microbatches) each group's busy time is that sum, 6 layers a microbatch
+    (36 ms, then the 6 ms of fill); the play is 3 ms shorter. Over more rounds the waits are spread, and the
+    play is within 8 % of the closed form, which without them was 21-30 % short."""
+    ctx = CostContext.build(_inventory(2), _profile(8))
+    chunks = [(0, 3), (3, 4), (4, 5), (5, 8)]
+    plan = hand_plan([((g % 2,), (microbatches,), layers) for g, layers in enumerate(chunks)], interleave=2, inventory=_inventory(2))
+    cost = plan_cost(ctx, plan)
+    if microbatches == 2:
+        assert cost.pipeline_ms == pytest.approx(2 * 6 * PER_LAYER_MS + 2 * PER_LAYER_MS, rel=1e-3)
+    assert simulate(ctx, plan).makespan_ms / cost.iteration_ms == pytest.approx(played_over_closed, abs=0.005)
 
 
 def test_simulated_events_name_their_chunk() -> None:

@@ -69,6 +69,23 @@ def test_textbook_pipeline_without_transfers(schedule: Schedule) -> None:
     assert timeline.makespan_ms == pytest.approx(plan_cost(ctx, plan).iteration_ms)
 
 
+def test_a_later_stages_step_overlaps_the_drain_after_its_last_backward() -> None:
+    """The textbook pipeline with a head of 2 M parameters stepped at 5 ms per million (the last stage steps
+    10 ms, the others next to nothing): the last stage's last backward ends 8 ms before the first stage's
+    (the last microbatch's backward of 4 ms on each stage before it), and its step starts there, so the
+    iteration is the pipeline plus 2 ms, not plus 10, in the closed form as in the simulation."""
+    base = _profile(0)
+    devices = {name: replace(d, optimizer_ms_per_million_parameters=5.0) for name, d in base.devices.items()}
+    profile = replace(base, layers=base.layers[:4], head=replace(base.head, parameters=2_000_000), devices=devices)
+    ctx = CostContext.build(_inventory(), profile)
+    plan = replace(_textbook_plan(), num_layers=4)
+    cost = plan_cost(ctx, plan)
+    assert cost.drain_ms == pytest.approx((0.0, 4.0, 8.0))
+    assert cost.stage_tail_ms(2) == pytest.approx(10.0, rel=1e-3) and cost.stage_tail_ms(0) < 0.01
+    assert cost.iteration_ms == pytest.approx(cost.pipeline_ms + cost.stage_tail_ms(2) - 8.0)
+    assert simulate(ctx, plan).makespan_ms == pytest.approx(cost.iteration_ms)
+
+
 def test_data_parallel_stage_is_busy_time_plus_all_reduce_plus_optimizer_step() -> None:
     ctx = CostContext.build(_inventory(), _profile(0))
     plan = Plan("sim", "sim", 6, 5, 10, 1, Schedule.ONE_F_ONE_B, (_stage([0, 1, 2, 3, 4], (0, 6), [3, 3, 2, 1, 1]),))

@@ -78,7 +78,11 @@ def test_iteration_adds_each_stages_sync_and_slowest_update() -> None:
     assert sharded.pipeline_ms == pytest.approx(unsharded.pipeline_ms)
     assert sync + gather + 3.0 < 4.0  # now stage 1's step is the longest tail
     assert sharded.update_ms == pytest.approx(4.0)
-    assert sharded.iteration_ms == pytest.approx(sharded.pipeline_ms + 4.0)
+    # it starts at stage 1's last backward, before stage 0's by the last microbatch's backward on stage 0
+    slowest_backward = max(t.backward_ms for t in sharded.stages[0].times)
+    assert sharded.drain_ms == pytest.approx((0.0, slowest_backward + sharded.boundaries[0].transfer_ms))
+    exposed = max(sync + gather + 3.0, 4.0 - sharded.drain_ms[1])
+    assert sharded.iteration_ms == pytest.approx(sharded.pipeline_ms + exposed)
 
 
 def test_search_keeps_sharding_where_it_shortens_the_step() -> None:

@@ -17,10 +17,13 @@ Each element ``e`` has
 
 Then::
 
-    iteration_ms = sum_e l_e + max_e (T_e - l_e) + max_s (sync_s + update_s)
+    iteration_ms = sum_e l_e + max_e (T_e - l_e) + max_s (sync_s + update_s - d_s)
 
 The bottleneck element is busy ``T_e`` back to back; before its first microbatch
 and after its last, one microbatch must pass every other element (fill and drain).
+Each stage synchronises and steps from its own last backward, ``d_s`` before the
+pipeline's end (the last microbatch's backward through the stages before it:
+:attr:`.evaluate.PlanCost.drain_ms`), so a later stage's step overlaps that drain.
 For ``S`` equal single-GPU stages with per-microbatch time ``t = f + b`` and ``M``
 microbatches this is the familiar ``(M + S - 1) t``; for one stage (data
 parallel) it is ``max_r n_r t_r`` plus the all-reduce and the optimizer step

@@ -46,6 +46,9 @@ class PlanCost:
     fill_ms: float = 0.0
     """Of ``pipeline_ms``, the fill and drain: one microbatch through every element of the chain
     but the one that bounds it (the rest is that element's busy time)."""
+    drain_ms: tuple[float, ...] = ()
+    """Per group of ranks: how long before the pipeline's end its last backward ends (:func:`_drains_ms`);
+    empty: every group's at the end."""
 
     @property
     def num_groups(self) -> int:
@@ -71,15 +74,20 @@ class PlanCost:
         """The slowest optimizer step of any stage."""
         return max(self.stage_update_ms(i) for i in range(self.num_groups))
 
+    def exposed_tail_ms(self, index: int) -> float:
+        """What group ``index``'s synchronisation and optimizer step add to the pipeline: they start at its
+        last backward, ``drain_ms`` before the pipeline's end."""
+        return self.stage_tail_ms(index) - (self.drain_ms[index] if self.drain_ms else 0.0)
+
     @cached_property
     def tail_ms(self) -> float:
-        """The longest synchronisation plus optimizer step of any stage (asked of each plan many times)."""
-        return max(self.stage_tail_ms(i) for i in range(self.num_groups))
+        """What the groups' synchronisations and optimizer steps add to the pipeline: the most any adds (each
+        group does both on its own; asked of each plan many times)."""
+        return max(self.exposed_tail_ms(i) for i in range(self.num_groups))
 
     @property
     def iteration_ms(self) -> float:
-        """The pipeline, then the stage that takes longest to synchronise and step (stages
-        do both independently; the closed form starts every stage's at the pipeline's end)."""
+        """The pipeline, then the group whose synchronisation and step end last."""
         return self.pipeline_ms + self.tail_ms
 
 
@@ -140,9 +148,24 @@ def plan_cost(ctx: CostContext, plan: Plan, memory: bool = True) -> PlanCost:
     bottleneck = max(range(len(busy)), key=lambda e: busy[e] - latencies[e])
     tied = tied_sync_ms(ctx, plan.stages[0].ranks, plan.stages[-1].ranks) if len(stages) > 1 else 0.0
     cost = PlanCost(
-        stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied, plan.interleave, sum(latencies) - latencies[bottleneck]
+        stages, boundaries, pipeline_ms(latencies, busy), 0.0, tied, plan.interleave, sum(latencies) - latencies[bottleneck],
+        _drains_ms(plan, stages, boundaries),
     )
     return with_stage_costs(cost, stages)
+
+
+def _drains_ms(plan: Plan, stages: tuple[StageCost, ...], boundaries: tuple[BoundaryCost, ...]) -> tuple[float, ...]:
+    """Per group of ranks: how long before the pipeline's end (the first group's last backward) its last
+    backward ends. The last microbatch's gradient still has to pass every group before it, each at its
+    first chunk's backward on its slowest rank that runs microbatches, and every boundary between: a later
+    group's synchronisation and step overlap that much of the drain (the engine starts them at the group's
+    last backward; the simulation plays them so)."""
+    drains = [0.0]
+    for group in range(plan.num_groups - 1):
+        counts = plan.stages[group].microbatches_per_rank
+        backward_ms = max((t.backward_ms for t, n in zip(stages[group].times, counts) if n > 0), default=0.0)
+        drains.append(drains[-1] + backward_ms + boundaries[group].transfer_ms)
+    return tuple(drains)
 
 
 def with_stage_costs(cost: PlanCost, stages: tuple[StageCost, ...]) -> PlanCost:

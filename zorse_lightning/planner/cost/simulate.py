@@ -33,8 +33,7 @@ recorded in unit steps, keeps fewer microbatches in flight than the warm-up the 
 form assumes) or shorter (the closed form charges a shared link's whole traffic as a
 separate pipeline element, while the simulation overlaps it with compute; and it
 charges the fill and drain through every later element even where the busiest stage is
-the first). It is also shorter when a stage that ends early has the longest
-synchronisation and step: the closed form starts every stage's at the pipeline's end.
+the first). Both start a stage's synchronisation and step at its own last backward.
 
 A tensor-parallel stage's TP group runs each action at once, when every one of its ranks can (the
 all-reduces inside its blocks hold them together): messages of its ranks that share a link reach the

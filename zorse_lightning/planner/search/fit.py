@@ -186,10 +186,11 @@ def unsharded_where_free(search: Search, plan: Plan, cost: PlanCost | None = Non
 
     Unsharding a stage changes only what it does after its last backward: an all-reduce instead of a
     reduce-scatter and an all-gather (the same traffic at ``optimizer_gradients``) and a longer optimizer
-    step. The iteration is the pipeline plus the longest such tail of any stage, so unsharding costs
-    nothing while the stage's new tail stays within the plan's longest. Not so for interleaved plans, which keep
-    their sharding: their groups end at staggered times, and the simulation shows the longer step the closed
-    form's longest tail hides (four16 Llama 3B x2 with the groups unsharded where free: 4765.4 to 4788.5 ms)."""
+    step. The iteration is the pipeline plus the most any stage's tail adds to it (a tail starts at the stage's
+    last backward, :attr:`~..cost.evaluate.PlanCost.drain_ms` before the pipeline's end), so unsharding costs
+    nothing while what the stage's new tail adds stays within that. Interleaved plans keep their sharding:
+    unsharding a group of ranks changes every chunk of it, and where measured it played slower than the closed
+    form then said (four16 Llama 3B x2, groups unsharded where free: 4765.4 to 4788.5 ms)."""
     ctx = search.ctx
     cost = cost or plan_cost(ctx, plan)
     if memory_overruns(ctx, plan, cost):
@@ -202,7 +203,7 @@ def unsharded_where_free(search: Search, plan: Plan, cost: PlanCost | None = Non
         shared_sync_ms = cost.stage_sync_ms(i) - cost.stages[i].sync_ms  # a tied weight's, unchanged
         own_sync_ms = stage_own_sync_ms(ctx, plan, i, unsharded)
         update_ms = stage_update_ms(ctx, plan, i, unsharded)
-        if shared_sync_ms + own_sync_ms + max(update_ms) > cost.tail_ms:
+        if shared_sync_ms + own_sync_ms + max(update_ms) - cost.drain_ms[i] > cost.tail_ms:
             continue
         memory = stage_memory(ctx, plan, i, tuple(0.0 for _ in stage.ranks), unsharded)
         if all(used.total_bytes <= ctx.capacity_bytes(r) for r, used in zip(stage.ranks, memory)):
