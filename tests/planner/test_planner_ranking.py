@@ -139,6 +139,25 @@ def test_whole_machines_of_one_type_as_stages_sharded_interleaved() -> None:
     assert plan.predicted.iteration_ms < plain.predicted.iteration_ms * (1 - INTERLEAVE_MARGIN)
 
 
+def test_an_interleaving_is_sharded_as_the_search_shards_whatever_its_plain_plan_left_unsharded() -> None:
+    """a100x4_v100x4, GPT 2.7B at 8 samples per GPU (NCCL's rules): the plain plan of the V100s then the A100s
+    leaves the A100s unsharded (their step ends within the V100s' backward of the last microbatch, 8 layers),
+    but interleaved x4 that drain is one chunk's, and the A100s' longer step shows (1303.3 against 1292.3 ms
+    played). Its interleavings start from the search's sharding, and the search returns the sharded x4."""
+    inventory = load_cluster("a100x4_v100x4")
+    profile = reference_profile("gpt_2.7b", [t.name for t in inventory.gpu_types], 512, "float16")
+    batch = 8 * inventory.world_size
+    pins = PlannerOptions(stage_layout=((4, 5, 6, 7), (0, 1, 2, 3)), microbatch_size=2, max_interleave=1)
+    plain = make_plan(inventory, profile, batch, pins)
+    assert [s.sharding.value for s in plain.stages] == ["optimizer_gradients", "none"]
+    search = Search.build(inventory, profile, batch, pins, lambda _: None)
+    busy = [stage.busy_ms for stage in plan_cost(search.ctx, plain, memory=False).stages]
+    assert {s.sharding.value for s in interleaved_draft(search, plain, 4, busy).stages} == {"optimizer_gradients"}
+    plan = make_plan(inventory, profile, batch)
+    assert plan.interleave == 4 and {s.sharding.value for s in plan.stages} == {"optimizer_gradients"}
+    assert plan.predicted.iteration_ms == pytest.approx(1292.26, abs=0.01)
+
+
 def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """A split of [13, 8, 4, 1] admits no interleaving as it stands: the group of one layer gets layers
     from the busiest groups (the first, then the second), so every degree up to num_layers // groups is tried."""

@@ -126,7 +126,10 @@ def interleaved_draft(search: Search, plain: Plan, degree: int, busy_ms: list[fl
     """``plain`` with each group's layers cut into ``degree`` chunks, priced in the closed form without its
     memory (unfitted); a group holding fewer layers than the degree first gets layers from the groups then
     busiest (``busy_ms``: each group's busy time in ``plain``'s closed form; else a slow group holding few
-    layers would rule the degree out)."""
+    layers would rule the degree out). Its groups sharded as the search shards them: where ``plain`` left one
+    unsharded because its step ended within the drain after it, an interleaved plan's drain (one chunk's
+    backward on each group before) is shorter (:func:`unsharded_where_free`)."""
+    plain = _sharded(search, plain) or plain
     busy = list(busy_ms)
     counts = [stage.num_layers for stage in plain.stages]
     for thin in (g for g in range(len(counts)) if counts[g] < degree):
