@@ -158,6 +158,21 @@ def test_an_interleaving_is_sharded_as_the_search_shards_whatever_its_plain_plan
     assert plan.predicted.iteration_ms == pytest.approx(1292.26, abs=0.01)
 
 
+def test_a_split_only_its_interleavings_could_win_opens_them_unfitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lab4_l4_a6000_p40, GPT 2.7B at global batch 128 (NCCL's rules): the splits whose plain plan cannot beat
+    the plan held are not fitted (16 of the splits taken, where every one was: 61), and their interleavings start
+    from their drafts: x3 of one GPU a group at microbatch 8, the A6000 offloading, 18916.8 ms, which the search
+    missed interleaving the fitted plain plans (19023.6 ms, one stage of every GPU)."""
+    fitted = []
+    split = loop.heuristic_split
+    monkeypatch.setattr(loop, "heuristic_split", lambda *args: fitted.append(args) or split(*args))
+    inventory = load_cluster("lab4_l4_a6000_p40")
+    plan = make_plan(inventory, reference_profile("gpt_2.7b", [t.name for t in inventory.gpu_types], 512, "float16"), 128)
+    assert plan.interleave == 3 and plan.microbatch_size == 8 and len(plan.rank_groups) == 4
+    assert plan.predicted.iteration_ms == pytest.approx(18916.8, abs=0.1)
+    assert len(fitted) < 30
+
+
 def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """A split of [13, 8, 4, 1] admits no interleaving as it stands: the group of one layer gets layers
     from the busiest groups (the first, then the second), so every degree up to num_layers // groups is tried."""
