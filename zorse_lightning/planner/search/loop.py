@@ -293,13 +293,10 @@ class _Loop:
         return []
 
     def _plain_past(self, c: Candidate) -> bool:
-        """Whether split ``c``'s plain plan cannot change the choice: its draft's closed form times the plain floor
-        past the plan held, simulated. A split is queued by the best its interleavings could do (:meth:`_refined`),
-        so most splits taken could win only interleaved: such a split is not fitted, and its interleavings and
-        program start from its draft (mix32 Llama 7B at global batch 128: 77 splits fitted instead of 169; lab4
-        GPT 2.7B: 16 instead of 61, and an interleaving of the draft, which shards every group evenly, beats any of
-        the fitted plain plans'). Not while the plan held is unplayed: playing it here played every near-tie in
-        turn (:meth:`.choice.Choice.past`)."""
+        """Whether split ``c``'s plain plan cannot change the choice (its draft times the plain floor, against the
+        plan held, simulated; not before: :meth:`.choice.Choice.past`). A split is queued by the best its
+        interleavings could do (:meth:`_refined`), so most could win only interleaved: those are not fitted (mix32
+        Llama 7B, global batch 128: 77 fits instead of 169), their interleavings start from the draft."""
         chosen = self.choice.chosen
         if chosen is None or not simulated(chosen):
             return False
