@@ -129,7 +129,8 @@ def interleaved_draft(search: Search, plain: Plan, degree: int, busy_ms: list[fl
     layers would rule the degree out). Its groups sharded as the search shards them: where ``plain`` left one
     unsharded because its step ended within the drain after it, an interleaved plan's drain (one chunk's
     backward on each group before) is shorter (:func:`unsharded_where_free`)."""
-    plain = _sharded(search, plain) or plain
+    key = ("sharded as searched", plain.schedule, plain.microbatch_size, plain.stages)  # once for all its degrees
+    plain = search.ctx.memo(key, lambda: _sharded(search, plain) or plain)
     busy = list(busy_ms)
     counts = [stage.num_layers for stage in plain.stages]
     for thin in (g for g in range(len(counts)) if counts[g] < degree):

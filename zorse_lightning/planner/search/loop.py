@@ -251,7 +251,8 @@ class _Loop:
         return base.iteration_ms - max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
 
     def _plans(self, c: Candidate) -> list[Plan] | None:
-        """The plans ``c`` gives, made to fit; None where it was only drafted and queued again."""
+        """The plans ``c`` gives, made to fit; None where it was only drafted and queued again, or where only
+        what it opens was queued (:meth:`_plain_past`)."""
         search, choice = self.search, self.choice
         if c.kind in (Kind.SPLIT, Kind.GATHERED, Kind.INTERLEAVED) and c.draft is None:
             draft = self._draft(c)
@@ -301,7 +302,7 @@ class _Loop:
         if chosen is None or not simulated(chosen):
             return False
         estimate_ms = c.draft.predicted.iteration_ms * self.choice.floor(False)
-        return estimate_ms >= self.choice.threshold_ms(_margin(c, len(self.search.ctx.inventory.gpus)))
+        return estimate_ms >= self.choice.threshold_ms(_margin(c, self.search.ctx.inventory.world_size))
 
     def _draft(self, c: Candidate) -> Plan | None:
         """``c``'s plan before it is made to fit, priced in the closed form."""
