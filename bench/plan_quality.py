@@ -380,7 +380,7 @@ def ilp_summary(runs: list[ProgramRun]) -> dict:
     improving = [g for g in gains if g > SLACK]
     pct = lambda values, f: None if not values else round(100 * f(values), 3)  # noqa: E731
     return {
-        "programs": len(runs),
+        "programs": sum(r.solves for r in runs),
         "compared": len(gains),
         "improved": len(improving),
         "worse": sum(g < -SLACK for g in gains),

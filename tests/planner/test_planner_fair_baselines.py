@@ -109,15 +109,19 @@ def test_bound_of_unlike_layers_is_the_assignment_program() -> None:
     assert bound <= plan.predicted.iteration_ms
 
 
-def test_program_log_records_each_program_against_its_start() -> None:
+@pytest.mark.parametrize("cluster, model", [("lab4_l4_a6000_p40", None), ("a100x4_v100x4", "llama_13b")])
+def test_program_log_records_each_program_against_its_start(cluster: str, model: str | None) -> None:
     """The loop solves a program only for a layout whose bound is below the plan it holds (here, on three
-    machines of three types, several)."""
-    inventory = load_cluster("lab4_l4_a6000_p40")
-    profile = real_gpu_profile(inventory)
+    machines of three types, several). A layout whose split fits only recomputing solves two (Llama 13B on
+    the A100s and V100s: none fits without), and the plan's count is of programs solved."""
+    inventory = load_cluster(cluster)
+    profile = real_gpu_profile(inventory) if model is None else reference_profile(model, [t.name for t in inventory.gpu_types], 512, "float16")
     log = ProgramLog()
     plan = make_plan(inventory, profile, 64 * inventory.world_size, PlannerOptions(), log)
     assert log.runs and all(r.warm_started == (r.start_ms is not None) for r in log.runs)
-    assert f"{len(log.runs)} programs solved" in plan.solver.status
+    assert all(r.solves == (1 + r.recompute if r.plan_ms is not None else 2) for r in log.runs)
+    assert f"{sum(r.solves for r in log.runs)} programs solved" in plan.solver.status
+    assert model is None or any(r.solves == 2 for r in log.runs)
     for run in log.runs:
         if run.gain is not None:
             assert run.gain == pytest.approx((run.start_ms - run.plan_ms) / run.start_ms)

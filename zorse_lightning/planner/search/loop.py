@@ -51,7 +51,7 @@ def make_plan(
 ) -> Plan:
     """The fastest plan the search finds; raises :class:`PlanningError` when none fits.
 
-    ``programs``, when given, receives a :class:`ProgramRun` per integer program solved."""
+    ``programs``, when given, receives a :class:`ProgramRun` per layout's integer program."""
     with _collector_paused():
         started = time.perf_counter()
         search = Search.build(inventory, profile, global_batch_size, options, _planner(profile, global_batch_size, options))
@@ -284,7 +284,7 @@ class _Loop:
                 self.programs.add(ProgramRun(
                     len(c.layout), c.microbatch_size, bool(plan and plan.stages[0].recompute),
                     c.plan and c.plan.predicted.iteration_ms, c.plan is not None, plan and plan.predicted.iteration_ms,
-                    choice.chosen and choice.chosen.predicted.iteration_ms,
+                    choice.chosen and choice.chosen.predicted.iteration_ms, solved,
                 ))
             return [plan] if plan else []
         if c.kind is Kind.BASELINE:

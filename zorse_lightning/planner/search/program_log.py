@@ -21,6 +21,8 @@ class ProgramRun:
     """The program's solution, priced as the search keeps it (None: infeasible, or out of memory once priced)."""
     best_before_ms: float | None
     """The fastest plan the search held before this program (None: none yet)."""
+    solves: int = 1
+    """Integer programs solved for it: 2 where the split without recomputation had none."""
 
     @property
     def gain(self) -> float | None:
