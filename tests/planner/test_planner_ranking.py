@@ -19,7 +19,7 @@ from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner import CostContext, PlannerOptions, all_baselines, make_plan
 from zorse_lightning.planner.search.choice import IDLE_MARGIN, INTERLEAVE_MARGIN, Choice, work_of
 from zorse_lightning.planner.search import loop
-from zorse_lightning.planner.search.fit import interleaved_draft
+from zorse_lightning.planner.search.fit import interleaved_best_case_ms, interleaved_draft
 from zorse_lightning.planner.search.space import Search
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.cost.evaluate import plan_cost
@@ -160,17 +160,32 @@ def test_an_interleaving_is_sharded_as_the_search_shards_whatever_its_plain_plan
 
 def test_a_split_only_its_interleavings_could_win_opens_them_unfitted(monkeypatch: pytest.MonkeyPatch) -> None:
     """lab4_l4_a6000_p40, GPT 2.7B at global batch 128 (NCCL's rules): the splits whose plain plan cannot beat
-    the plan held are not fitted (16 of the splits taken, where every one was: 61), and their interleavings start
-    from their drafts: x3 of one GPU a group at microbatch 8, the A6000 offloading, 18916.8 ms, which the search
-    missed interleaving the fitted plain plans (19023.6 ms, one stage of every GPU)."""
+    the plan held are not fitted (24 of the splits taken, where every one was: 61), and their interleavings start
+    from their drafts. The plan is the peers' best pinned structure's time, 19023.6 ms (one stage of every GPU).
+    An x3 of one GPU a group at microbatch 8, 18916.8 ms, is found only where a plain plan of four groups is held
+    when the loop queues its other orders (:func:`.space.other_orders`): it was, while interleavings were keyed
+    by a best case that overestimated their drafts (lab4's by up to 30 %)."""
     fitted = []
     split = loop.heuristic_split
     monkeypatch.setattr(loop, "heuristic_split", lambda *args: fitted.append(args) or split(*args))
     inventory = load_cluster("lab4_l4_a6000_p40")
     plan = make_plan(inventory, reference_profile("gpt_2.7b", [t.name for t in inventory.gpu_types], 512, "float16"), 128)
-    assert plan.interleave == 3 and plan.microbatch_size == 8 and len(plan.rank_groups) == 4
-    assert plan.predicted.iteration_ms == pytest.approx(18916.8, abs=0.1)
+    assert plan.predicted.iteration_ms == pytest.approx(19023.6, abs=0.1)
     assert len(fitted) < 30
+
+
+def test_an_interleaving_that_fits_nowhere_still_teaches_its_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """a10g_l4_t4, Llama 13B at 8 samples a GPU: no interleaving fits. Until one is played its kind's floor is
+    1 / CLOSED_FORM_SPREAD, so every interleaving within twice the plan held was fitted, its programs recorded
+    to price its memory, until the budget was spent: 102 fits, one plan played, the plain plan kept 13703.3 ms.
+    The first that fits nowhere is played for its floor alone: 55 fits, and the plain plans are played."""
+    fits = []
+    interleaved = loop.interleaved_fit
+    monkeypatch.setattr(loop, "interleaved_fit", lambda *args: fits.append(args) or interleaved(*args))
+    inventory = load_cluster("a10g_l4_t4")
+    plan = make_plan(inventory, reference_profile("llama_13b", [t.name for t in inventory.gpu_types], 512, "float16"), 8 * inventory.world_size)
+    assert plan.interleave == 1 and plan.predicted.iteration_ms == pytest.approx(13390.8, abs=0.1)
+    assert len(fits) < 70
 
 
 def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,6 +201,28 @@ def test_a_slow_group_holding_few_layers_gets_a_layer_per_chunk(monkeypatch: pyt
     thick = interleaved_draft(search, plain, 3, busy)
     assert [sum(thick.stages[s].num_layers for s in thick.stages_of_group(g)) for g in range(4)] == [12, 7, 4, 3]
     assert degrees(plain, 4) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("rules", ["gloo", "nccl"])
+def test_an_interleavings_estimate_never_exceeds_its_draft(rules: str) -> None:
+    """The loop keys an interleaving by :func:`interleaved_best_case_ms` before drafting it: no draft's closed
+    form is below it, and its pipeline is within 3 % of the estimate. A middle group of one layer gets a layer
+    per chunk from the busiest group (its work x2, x3, x4, the busiest's less: the fill and drain alone said
+    6341 ms at x2 where the draft is 5769), and every rank waits for its messages of every chunk."""
+    inventory = four_machines_four_types()
+    profile = reference_profile("llama_3b", [t.name for t in inventory.gpu_types], 512, "float16")
+    layout = tuple(tuple(range(4 * m, 4 * m + 4)) for m in range(4))
+    batch = 32 * inventory.world_size
+    for counts in ((13, 1, 8, 4), (7, 4, 15), (8, 4, 14)):
+        stages = layout if len(counts) == 4 else ((*layout[0], *layout[1]), layout[2], layout[3])
+        pins = PlannerOptions(p2p_rules=rules, stage_layout=stages, layer_counts=counts, microbatch_size=4, max_interleave=1)
+        plain = make_plan(inventory, profile, batch, pins)
+        search = Search.build(inventory, profile, batch, pins, lambda _: None)
+        base = plan_cost(search.ctx, plain, memory=False)
+        for degree in degrees(plain, 4)[1:]:
+            estimate = interleaved_best_case_ms(search.ctx, plain, base, degree)
+            draft = interleaved_draft(search, plain, degree, [stage.busy_ms for stage in base.stages])
+            assert 0.97 * plan_cost(search.ctx, draft, memory=False).pipeline_ms <= estimate <= draft.predicted.iteration_ms
 
 
 def test_llama_7b_on_four_machines_finds_the_peers_order_and_moves_layers_to_fit_interleaved() -> None:

@@ -77,8 +77,9 @@ def test_a_plan_held_by_its_twins_simulation_is_played_itself_at_the_end(ctx):
 
 def test_the_search_fits_one_of_each_set_of_twins(monkeypatch):
     """Four alike machines: other orders of a plan are twins of it (alike groups on alike links), so the loop
-    fits each interleaving once per set of twins (three of seven here) and returns the plan it returns when it
-    fits them all."""
+    fits each interleaving once per set of twins (4 fits here, none twice) and returns the plan it returns when
+    it fits them all and follows every twin (10 fits: what each twin opens is queued again, so the two explore
+    differently, to the same plan)."""
     import zorse_lightning.planner.search.loop as loop
     from zorse_lightning.planner import make_plan
     from zorse_lightning.planner.search.choice import twin_key
@@ -95,5 +96,5 @@ def test_the_search_fits_one_of_each_set_of_twins(monkeypatch):
     fitted.clear()
     monkeypatch.setattr(loop._Loop, "_twin_seen", lambda self, plan, kind: False)
     every = make_plan(inventory, profile, 16)
-    assert once and len(set(once)) == len(once) and len(fitted) > len(once) and set(fitted) == set(once)
+    assert once and len(set(once)) == len(once) and len(fitted) > len(once)
     assert plan.interleave > 1 and plan.stages == every.stages and plan.predicted == every.predicted

@@ -19,6 +19,8 @@ from dataclasses import replace
 from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import bytes_to_gib
+from zorse_lightning.planner.cost.boundaries import receive_ms_per_microbatch
+from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import (
     PlanCost, memory_overruns, plan_cost, prediction, with_stage_costs,
 )
@@ -32,7 +34,7 @@ from zorse_lightning.planner.search.problem import (
     SEARCH_SHARDING, Candidate as ProgramCandidate, build_problem, layout_plan, level_with, stage_plan, to_plan,
     with_free_memory_shards,
 )
-from zorse_lightning.planner.search.space import Search
+from zorse_lightning.planner.search.space import Search, structure
 from zorse_lightning.schedule.plan import Plan, SolverRecord
 from zorse_lightning.schedule.programs import build_schedule
 
@@ -131,6 +133,13 @@ def interleaved_draft(search: Search, plain: Plan, degree: int, busy_ms: list[fl
     backward on each group before) is shorter (:func:`unsharded_where_free`)."""
     key = ("sharded as searched", plain.schedule, plain.microbatch_size, plain.stages)  # once for all its degrees
     plain = search.ctx.memo(key, lambda: _sharded(search, plain) or plain)
+    counts = _chunked_counts(plain, degree, busy_ms)
+    return _closed_form(search, interleave(with_layer_counts(plain, counts) if counts != [s.num_layers for s in plain.stages] else plain, degree))
+
+
+def _chunked_counts(plain: Plan, degree: int, busy_ms: list[float]) -> list[int]:
+    """Each group's layers in ``plain`` interleaved at ``degree``: a group holding fewer than the degree gets
+    layers from the groups then busiest (``busy_ms`` scaled by layers as they move)."""
     busy = list(busy_ms)
     counts = [stage.num_layers for stage in plain.stages]
     for thin in (g for g in range(len(counts)) if counts[g] < degree):
@@ -140,7 +149,46 @@ def interleaved_draft(search: Search, plain: Plan, degree: int, busy_ms: list[fl
             busy[thin] *= (counts[thin] + 1) / counts[thin]
             counts[donor] -= 1
             counts[thin] += 1
-    return _closed_form(search, interleave(with_layer_counts(plain, counts) if counts != [s.num_layers for s in plain.stages] else plain, degree))
+    return counts
+
+
+def fill_saved_ms(base: PlanCost, degree: int) -> float:
+    """The most of ``base``'s fill and drain that interleaving it at ``degree``, or splitting its layers over TP
+    groups of that many GPUs, can save: their compute made ``degree`` times shorter (their transfers stay, one
+    each way, as the closed form counts them). Neither makes a GPU's own work smaller (a TP group's GPUs each
+    run every microbatch of their replica, each layer at the one-GPU time over the degree at an efficiency of
+    at most 1)."""
+    transfers_ms = sum(2 * boundary.transfer_ms for boundary in base.boundaries)
+    return max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
+
+
+def interleaved_best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) -> float:
+    """No more than the closed form of ``plain`` (priced plain in ``base``) interleaved at ``degree``, short of
+    drafting it (most interleavings the search opens lose: their drafts were a fifth of planning a mixed
+    cluster). The chain of :mod:`..cost.chain` from ``base``'s elements: each group's latency over the degree,
+    each boundary's busy time ``V``-fold, each rank waiting for its messages of every chunk over the same links
+    (:func:`~..cost.compute.receiving_busy_ms` with ``V`` times the waits) and, in each of its rounds, for the
+    group whose chunks are heaviest (:func:`~..cost.chain._phases_ms`, at least the busiest group's work), its
+    work scaled by its layers where layers move (:func:`_chunked_counts`; the first and last groups' only down,
+    as their embedding and head stay); no tail (an interleaving is sharded afresh: :func:`interleaved_draft`).
+    Made once per structure and degree: a split is keyed by the least over its degrees, again wherever a
+    floor falls."""
+    return ctx.memo(("best case", structure(plain), degree), lambda: _best_case_ms(plain, base, degree))
+
+
+def _best_case_ms(plain: Plan, base: PlanCost, degree: int) -> float:
+    waits = receive_ms_per_microbatch(plain, base.boundaries)
+    counts = _chunked_counts(plain, degree, [stage.busy_ms for stage in base.stages])
+    latencies = [2 * boundary.transfer_ms for boundary in base.boundaries]
+    excess = [boundary.busy_ms * degree - latency for boundary, latency in zip(base.boundaries, latencies)]
+    scales = [min(k / s.num_layers, 1.0) if g in (0, len(counts) - 1) else k / s.num_layers for g, (k, s) in enumerate(zip(counts, plain.stages))]
+    own = [cost.busy_ms * scale for cost, scale in zip(base.stages, scales)]
+    for stage, cost, scale, work, waited in zip(plain.stages, base.stages, scales, own, waits):
+        latencies.append(cost.latency_ms * scale / degree)
+        receiving = max((n * t.total_ms * scale + (n * degree - 1) * x for t, n, x in zip(cost.times, stage.microbatches_per_rank, waited) if n > 0), default=0.0)
+        rounds = max(1, -(-max(stage.microbatches_per_rank) // len(counts)))
+        excess.append(max(receiving, work + (max(own) - work) / rounds) - latencies[-1])
+    return sum(latencies) + max(excess)
 
 
 def interleaved_fit(search: Search, draft: Plan, busy: list[float], past: Past, refused: list[str]) -> list[Plan]:

@@ -32,7 +32,7 @@ from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, twin_key, work_of
 from zorse_lightning.planner.search.diagnose import infeasible_error
 from zorse_lightning.planner.search.fit import (
-    gathered_draft, gathered_fit, heuristic_split, interleaved_draft, interleaved_fit, program_split, split_draft,
+    fill_saved_ms, gathered_draft, gathered_fit, heuristic_split, interleaved_best_case_ms, interleaved_draft, interleaved_fit, program_split, split_draft,
 )
 from zorse_lightning.planner.search.heuristic import HEURISTIC
 from zorse_lightning.planner.search.ilp import SOLVER_NAME
@@ -214,41 +214,35 @@ class _Loop:
         return True
 
     def _refined(self, c: Candidate, drafting: bool = True) -> float:
-        """``c``'s key with what the search knows now: a plan's simulation never came below its closed form
-        times the lowest ratio of the two seen (:meth:`.choice.Choice.floor`), so a draft is queued by that (a
-        gathered one by its closed form, its prediction); an interleaving saves at most ``1 - 1/V`` of its
-        plain plan's fill and drain, so a split is queued by the best its interleavings could do. A TP variant
-        is keyed by its layout's draft without TP; ``drafting`` False (every key again, where a floor fell)
-        makes none that is not made yet: it is made when the variant comes first."""
+        """``c``'s key with what the search knows now: no simulation came below its closed form times the lowest
+        ratio of the two seen (:meth:`.choice.Choice.floor`), so a draft is queued by that (a gathered one by its
+        closed form), an interleaving by the least it could be (:meth:`_best_case_ms`), a split by the least of it
+        and its interleavings, a TP variant by its layout's draft without TP (none made where ``drafting`` is False)."""
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.draft is None and not c.tensor_parallel and c.kind is not Kind.INTERLEAVED:
             return c.bound_ms  # nothing learnt bounds it before its draft (most of the queue, every time a floor falls)
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
         if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            most = degrees(c.draft, self.search.options.max_interleave)[-1] if capabilities.SUPPORTS_INTERLEAVING else 1
-            return max(c.bound_ms, self._best_case_ms(c.draft, most) * floor)
+            allowed = degrees(c.draft, self.search.options.max_interleave) if capabilities.SUPPORTS_INTERLEAVING else [1]
+            return max(c.bound_ms, min(self._best_case_ms(c.draft, v) for v in allowed) * floor)
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
             key = (tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
             if not drafting and key not in self.drafts:
                 return c.bound_ms
             plain = self._split_draft(*key)
-            return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel)) * floor) if plain else c.bound_ms
+            return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel), False) * floor) if plain else c.bound_ms
         if c.draft is not None:
             return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.INTERLEAVED:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
 
-    def _best_case_ms(self, plain: Plan, degree: int) -> float:
-        """``plain``'s closed form less what interleaving it at ``degree``, or splitting its layers over TP
-        groups of that many GPUs, could save: the compute of its fill and drain made ``degree`` times shorter
-        (their transfers stay, as the closed form counts them). Neither makes a GPU's own work smaller (a TP
-        group's GPUs each run every microbatch of their replica, each layer at the one-GPU time over the degree
-        at an efficiency of at most 1)."""
+    def _best_case_ms(self, plain: Plan, degree: int, interleaved: bool = True) -> float:
+        """The least closed form interleaving ``plain`` at ``degree`` (:func:`.fit.interleaved_best_case_ms`), or
+        splitting its layers over TP groups of that many GPUs (:func:`.fit.fill_saved_ms`), could give."""
         base = self._base(plain)
-        transfers_ms = sum(2 * boundary.transfer_ms for boundary in base.boundaries)  # one each way, whatever the degree
-        return base.iteration_ms - max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
+        return interleaved_best_case_ms(self.search.ctx, plain, base, degree) if interleaved else base.iteration_ms - fill_saved_ms(base, degree)
 
     def _plans(self, c: Candidate) -> list[Plan] | None:
         """The plans ``c`` gives, made to fit; None where it was only drafted and queued again, or where only
@@ -310,11 +304,15 @@ class _Loop:
             return self._split_draft(c.layout, c.microbatch_size, c.tensor_parallel)
         if c.kind is Kind.GATHERED:
             return gathered_draft(self.search, c.layout, c.microbatch_size)
-        draft = interleaved_draft(self.search, c.plan, c.interleave, self._busy(c.plan))
-        base_ms, ms = self._base(c.plan).iteration_ms, draft.predicted.iteration_ms
-        crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
-        self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
+        draft = interleaved_draft(self.search, c.plan, c.interleave, [s.busy_ms for s in self._base(c.plan).stages])
+        self._refused(c, draft.predicted.iteration_ms)
         return draft
+
+    def _refused(self, c: Candidate, ms: float, how: str = "") -> None:
+        """Note why interleaving ``c``'s plain plan gave nothing (:func:`.notes.plan_notes`)."""
+        base_ms = self._base(c.plan).iteration_ms
+        crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
+        self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {how}{ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
 
     def _split_draft(self, layout, m: int, degrees: tuple[int, ...]) -> Plan | None:
         """The heuristic split of ``layout`` at size ``m`` (TP ``degrees``) in the closed form, made once: a
@@ -339,7 +337,11 @@ class _Loop:
 
         if past(c.draft):
             return []
-        return interleaved_fit(self.search, c.draft, self._busy(c.plan), past, self.refusals.setdefault(structure(c.plan), []))
+        busy = [stage.busy_ms for stage in self._base(c.plan).stages]  # layers moved go where they cost least
+        plans = interleaved_fit(self.search, c.draft, busy, past, self.refusals.setdefault(structure(c.plan), []))
+        if not plans:  # played all the same where it is the first of its kind (:meth:`.choice.Choice.learn`)
+            self.choice.learn(c.draft)
+        return plans
 
     def _twin_seen(self, plan: Plan, kind: Kind | None) -> bool:
         """Whether a draft of candidates of ``kind`` alike to ``plan`` but for which GPUs and machines of a kind it
@@ -350,10 +352,6 @@ class _Loop:
         seen = key in self.twins
         self.twins.add(key)
         return seen
-
-    def _busy(self, plain: Plan) -> list[float]:
-        """Each group's busy time in ``plain``'s closed form: where layers moved for interleaving cost least."""
-        return [stage.busy_ms for stage in self._base(plain).stages]
 
     def _base(self, plan: Plan):
         """``plan``'s closed form without memory, priced once per structure (a split's draft and its fitted
@@ -392,6 +390,9 @@ class _Loop:
         found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
         summary = f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated"
         record = SolverRecord(SOLVER_NAME, summary, best.solver.objective_ms)
+        for c in [*self.parked, *(q for _, _, q in self.queue)]:
+            if c.kind is Kind.INTERLEAVED and c.draft is None:  # not drafted: its estimate was past the plan held
+                self._refused(c, self._best_case_ms(c.plan, c.interleave), "at least ")
         notes = plan_notes(search, choice, self.refusals, best)
         return replace(best, planner_seconds=time.perf_counter() - started, solver=record, notes=tuple(notes))
 
