@@ -114,8 +114,7 @@ class _Loop:
         self.twins: set[tuple] = set()
         """Drafts fitted and plans followed, by kind and :func:`.choice.twin_key` (:meth:`_twin_seen`)."""
         self.floors = dict(self.choice.floors)
-        """The floors the keys in the queue were scaled by: where one of the choice's falls, every key is
-        refreshed."""
+        """The floors the queue's keys were scaled by (where one of the choice's falls, every key is refreshed)."""
         self.parked: list[Candidate] = []
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
@@ -223,20 +222,23 @@ class _Loop:
         if c.draft is None and not c.tensor_parallel and c.kind is not Kind.INTERLEAVED:
             return c.bound_ms  # nothing learnt bounds it before its draft (most of the queue, every time a floor falls)
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
-        if c.kind is Kind.SPLIT and c.draft is not None:  # it, or an interleaving of it
-            allowed = degrees(c.draft, self.search.options.max_interleave) if capabilities.SUPPORTS_INTERLEAVING else [1]
-            return max(c.bound_ms, min(self._best_case_ms(c.draft, v) for v in allowed) * floor)
+        if c.estimate_ms is not None:
+            return max(c.bound_ms, c.estimate_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
             key = (tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
             if not drafting and key not in self.drafts:
                 return c.bound_ms
             plain = self._split_draft(*key)
             return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel), False) * floor) if plain else c.bound_ms
-        if c.draft is not None:
-            return max(c.bound_ms, c.draft.predicted.iteration_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.INTERLEAVED:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
+
+    def _estimate_ms(self, kind: Kind, draft: Plan) -> float:
+        """:attr:`.space.Candidate.estimate_ms` of a candidate of ``kind`` drafted as ``draft``."""
+        if kind is not Kind.SPLIT or not capabilities.SUPPORTS_INTERLEAVING:
+            return draft.predicted.iteration_ms
+        return min([draft.predicted.iteration_ms] + [self._best_case_ms(draft, v) for v in degrees(draft, self.search.options.max_interleave)[1:]])
 
     def _best_case_ms(self, plain: Plan, degree: int, interleaved: bool = True) -> float:
         """The least closed form interleaving ``plain`` at ``degree`` (:func:`.fit.interleaved_best_case_ms`), or
@@ -250,8 +252,8 @@ class _Loop:
         search, choice = self.search, self.choice
         if c.kind in (Kind.SPLIT, Kind.GATHERED, Kind.INTERLEAVED) and c.draft is None:
             draft = self._draft(c)
-            if draft is not None:  # queued again, bounded by the draft's closed form (:meth:`_refined`)
-                self._push(replace(c, draft=draft))
+            if draft is not None:  # queued again, keyed by what the draft says (:meth:`_refined`)
+                self._push(replace(c, draft=draft, estimate_ms=self._estimate_ms(c.kind, draft)))
                 return None
             if c.kind is not Kind.SPLIT:
                 return []
@@ -292,11 +294,9 @@ class _Loop:
         plan held, simulated; not before: :meth:`.choice.Choice.past`). A split is queued by the best its
         interleavings could do (:meth:`_refined`), so most could win only interleaved: those are not fitted (mix32
         Llama 7B, global batch 128: 77 fits instead of 169), their interleavings start from the draft."""
-        chosen = self.choice.chosen
-        if chosen is None or not simulated(chosen):
+        if self.choice.chosen is None or not simulated(self.choice.chosen):
             return False
-        estimate_ms = c.draft.predicted.iteration_ms * self.choice.floor(False)
-        return estimate_ms >= self.choice.threshold_ms(_margin(c, self.search.ctx.inventory.world_size))
+        return c.draft.predicted.iteration_ms * self.choice.floor(False) >= self.choice.threshold_ms(_margin(c, self.search.ctx.inventory.world_size))
 
     def _draft(self, c: Candidate) -> Plan | None:
         """``c``'s plan before it is made to fit, priced in the closed form."""

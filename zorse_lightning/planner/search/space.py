@@ -69,6 +69,9 @@ class Candidate:
     draft: Plan | None = None
     """Its plan built and priced in the closed form, not yet made to fit (gathered and interleaved plans are
     drafted first: fitting them costs more)."""
+    estimate_ms: float | None = None
+    """With its draft, the least closed form it can give: the draft's (a split's, or its interleavings' at best:
+    :func:`.fit.interleaved_best_case_ms`). Its key is this times the floor (:meth:`.loop._Loop._refined`)."""
     tensor_parallel: tuple[int, ...] = ()
     """Each stage's TP degree, its ranks listed replica by replica (:meth:`Search.split_over`); empty: none."""
 
