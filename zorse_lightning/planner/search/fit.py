@@ -152,14 +152,13 @@ def _chunked_counts(plain: Plan, degree: int, busy_ms: list[float]) -> list[int]
     return counts
 
 
-def fill_saved_ms(base: PlanCost, degree: int) -> float:
-    """The most of ``base``'s fill and drain that interleaving it at ``degree``, or splitting its layers over TP
-    groups of that many GPUs, can save: their compute made ``degree`` times shorter (their transfers stay, one
-    each way, as the closed form counts them). Neither makes a GPU's own work smaller (a TP group's GPUs each
-    run every microbatch of their replica, each layer at the one-GPU time over the degree at an efficiency of
-    at most 1)."""
+def tensor_parallel_best_case_ms(base: PlanCost, degree: int) -> float:
+    """No less than a plan priced plain in ``base`` with its stages' layers split over TP groups of ``degree``
+    GPUs: its fill and drain's compute at most ``degree`` times shorter (their transfers stay, one each way, as
+    the closed form counts them), no GPU's own work smaller (a TP group's GPUs each run every microbatch of
+    their replica, each layer at the one-GPU time over the degree at an efficiency of at most 1)."""
     transfers_ms = sum(2 * boundary.transfer_ms for boundary in base.boundaries)
-    return max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
+    return base.iteration_ms - max(base.fill_ms - transfers_ms, 0.0) * (1 - 1 / degree)
 
 
 def interleaved_best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) -> float:

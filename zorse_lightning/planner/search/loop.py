@@ -32,7 +32,8 @@ from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, twin_key, work_of
 from zorse_lightning.planner.search.diagnose import infeasible_error
 from zorse_lightning.planner.search.fit import (
-    fill_saved_ms, gathered_draft, gathered_fit, heuristic_split, interleaved_best_case_ms, interleaved_draft, interleaved_fit, program_split, split_draft,
+    gathered_draft, gathered_fit, heuristic_split, interleaved_best_case_ms, interleaved_draft, interleaved_fit, program_split, split_draft,
+    tensor_parallel_best_case_ms,
 )
 from zorse_lightning.planner.search.heuristic import HEURISTIC
 from zorse_lightning.planner.search.ilp import SOLVER_NAME
@@ -229,7 +230,7 @@ class _Loop:
             if not drafting and key not in self.drafts:
                 return c.bound_ms
             plain = self._split_draft(*key)
-            return max(c.bound_ms, self._best_case_ms(plain, max(c.tensor_parallel), False) * floor) if plain else c.bound_ms
+            return max(c.bound_ms, tensor_parallel_best_case_ms(self._base(plain), max(c.tensor_parallel)) * floor) if plain else c.bound_ms
         if c.kind is Kind.INTERLEAVED:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
@@ -240,11 +241,9 @@ class _Loop:
             return draft.predicted.iteration_ms
         return min([draft.predicted.iteration_ms] + [self._best_case_ms(draft, v) for v in degrees(draft, self.search.options.max_interleave)[1:]])
 
-    def _best_case_ms(self, plain: Plan, degree: int, interleaved: bool = True) -> float:
-        """The least closed form interleaving ``plain`` at ``degree`` (:func:`.fit.interleaved_best_case_ms`), or
-        splitting its layers over TP groups of that many GPUs (:func:`.fit.fill_saved_ms`), could give."""
-        base = self._base(plain)
-        return interleaved_best_case_ms(self.search.ctx, plain, base, degree) if interleaved else base.iteration_ms - fill_saved_ms(base, degree)
+    def _best_case_ms(self, plain: Plan, degree: int) -> float:
+        """The least closed form interleaving ``plain`` at ``degree`` could give (:func:`.fit.interleaved_best_case_ms`)."""
+        return interleaved_best_case_ms(self.search.ctx, plain, self._base(plain), degree)
 
     def _plans(self, c: Candidate) -> list[Plan] | None:
         """The plans ``c`` gives, made to fit; None where it was only drafted and queued again, or where only
