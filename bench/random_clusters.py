@@ -38,7 +38,7 @@ from zorse_lightning.cluster.inventory import ClusterInventory, Machine
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner import CostContext, PlannerOptions, make_plan
 from zorse_lightning.planner.cost.simulate import simulate
-from zorse_lightning.planner.search.choice import IDLE_MARGIN, handicap
+from zorse_lightning.planner.search.choice import handicap, margin
 from zorse_lightning.planner.search.loop import all_baselines
 from zorse_lightning.profiling import MixedProfileSourcesWarning, reference_profile
 
@@ -89,7 +89,7 @@ def run_case(seed: int) -> dict:
     several_types = len(inventory.gpu_types) > 1
     for name, baseline in all_baselines(inventory, profile, batch, options).items():
         # the fastest type alone is planned on its own GPUs: on the cluster it leaves the others idle
-        idle = (1 - IDLE_MARGIN) if name == "fastest_type_alone" and several_types else 1.0
+        idle = margin(name == "fastest_type_alone" and several_types, False)
         if baseline is not None and plan.predicted.iteration_ms / handicap(plan) > baseline.predicted.iteration_ms / (handicap(baseline) * idle) * (1 + 1e-9):
             case["flags"].append(f"slower than {name} ({baseline.predicted.iteration_ms:.1f} ms)")
     if plan.predicted.closed_form_ms is None and len(plan.stages) > 1:
