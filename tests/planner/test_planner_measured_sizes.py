@@ -10,7 +10,8 @@ from zorse_lightning.cluster.catalog import DEFAULT_CATALOG
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.cluster.inventory import ClusterInventory, Machine
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.planner import PlannerOptions, make_plan
+from zorse_lightning.planner import CostContext, PlannerOptions, make_plan
+from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.profiling.profile import BlockTimes, ModelProfile, ProfileSource, TimeCurve
 
 from test_planner_fixtures import synthetic_profile
@@ -60,12 +61,14 @@ def test_one_rank_without_a_pipeline_takes_the_whole_local_batch_in_one_microbat
     assert plan.microbatch_size == 8 and plan.num_microbatches == 1
 
 
-def test_a_plan_too_big_to_simulate_in_planning_time_keeps_the_closed_form_and_says_so(monkeypatch):
+def test_a_plan_past_the_budget_of_plays_is_played_all_the_same_and_says_so(monkeypatch):
     from zorse_lightning.planner.search import loop
 
     monkeypatch.setattr(loop, "WORK_PER_GPU", 0)
     inventory = load_cluster("a100x4_v100x4")
     profile = synthetic_profile(tuple(t.name for t in inventory.gpu_types), num_layers=8, hidden=512)
-    plan = make_plan(inventory, profile, 64, PlannerOptions(solver_time_limit_s=2))
-    assert plan.predicted.closed_form_ms is None
-    assert any(n.startswith("predicted by the cost model's closed form") for n in plan.notes)
+    options = PlannerOptions(solver_time_limit_s=2)
+    plan = make_plan(inventory, profile, 64, options)
+    assert plan.predicted.closed_form_ms is not None  # its simulation, not the closed form the search ranked it by
+    assert plan.predicted.iteration_ms == simulate(CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules), plan).makespan_ms
+    assert any(n.startswith("predicted by the simulation") and "the budget of plays ran out" in n for n in plan.notes)

@@ -56,3 +56,30 @@ def test_a_kind_of_plan_never_played_has_the_widest_floor():
     assert choice.floor(True) == 1 / CLOSED_FORM_SPREAD  # not the plain plans' floor
     choice.floors[True] = 0.97
     assert choice.floor(True) == choice.floor() == 0.97 and choice.floor(False) == 0.99
+
+
+def test_the_plan_returned_is_played_whatever_the_budget(ctx):
+    plan = _held(ctx)
+    choice = Choice(ctx, budget=0)  # no play left for the search
+    choice.offer(plan)
+    choice.settle()
+    assert not simulated(choice.chosen)  # the search prunes against it unplayed
+    choice.settle(final=True)
+    assert simulated(choice.chosen) and choice.chosen.predicted.iteration_ms == simulate(ctx, plan).makespan_ms
+    assert choice.budget < 0
+
+
+def test_the_answer_is_the_fastest_plan_played_once_every_plan_ahead_of_it_in_the_closed_form_is_played(ctx):
+    plan = _held(ctx)
+    played_ms = simulate(ctx, plan).makespan_ms
+
+    def closed_at(ms: float) -> Plan:
+        return plan.with_prediction(replace(plan.predicted, iteration_ms=ms))
+
+    choice = Choice(ctx, budget=0)
+    for ms in (played_ms * 1.1, played_ms / 1.4, played_ms / 1.6):
+        choice.offer(closed_at(ms))
+    choice.settle(final=True)
+    assert choice.answer_plays == 2  # the two ahead of the answer's play; the one behind it stays in its closed form
+    assert [simulated(p) for p in choice.pool] == [False, True, True]
+    assert simulated(choice.chosen) and choice.chosen.predicted.iteration_ms == played_ms

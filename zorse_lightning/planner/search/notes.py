@@ -3,7 +3,7 @@ and tensor parallelism (what each gained, or why the search did without), and ho
 
 from __future__ import annotations
 
-from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, simulable, work_of
+from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, simulable
 from zorse_lightning.planner.search.space import Search, structure
 from zorse_lightning.schedule.plan import Plan
 
@@ -75,11 +75,10 @@ def _tensor_parallel_note(search: Search, choice: Choice, best: Plan) -> str | N
 def _prediction_note(choice: Choice, plan: Plan) -> str:
     """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
     simulated = f"{choice.simulated} of {len(choice.pool)} plans the search priced were simulated ({choice.simulated_work:,} units of 2 V M R)"
+    if choice.budget < 0:
+        simulated += f"; the budget of plays ran out: {choice.answer_plays} leading the pool in the closed form were played past it to settle the answer"
     if plan.predicted.closed_form_ms is None:
-        why = "its stages gather parameters per microbatch, which the simulation does not play" if not simulable(plan) else (
-            f"simulating its programs (2 V M R = {work_of(plan):,}) would take more than the search's budget left"
-        )
-        return f"predicted by the cost model's closed form: {why}; {simulated}"
+        return f"predicted by the cost model's closed form: its stages gather parameters per microbatch, which the simulation does not play; {simulated}"
     closed, ms = plan.predicted.closed_form_ms, plan.predicted.iteration_ms
     if not simulable(plan):
         return (f"predicted by the closed form ({closed:.1f} ms) times what the simulation of the same pipeline "
