@@ -39,7 +39,7 @@ def test_a_plan_of_a_recorded_shape_gets_the_programs_and_batches_recorded_for_i
         assert programs_recorded(ctx, moved)
         alone = played_programs(moved)
         assert schedule_programs(ctx, moved) == alone[0]
-        assert schedule_batches(ctx, moved) == rank_batches(moved, *alone)
+        assert schedule_batches(ctx, moved) == rank_batches(moved, alone[0])
         assert len(ctx._programs) == recordings
         relabelled += moved.stages != plan.stages
     assert relabelled > 100

@@ -233,7 +233,7 @@ def build_schedule(plan: Plan, forward_only: bool = False) -> PipelineSchedule:
     with unbounded buffers (the unit-step play) and under NCCL's rules (its batches' and collectives'
     rendezvous play)."""
     programs, grid = played_programs(plan, forward_only)
-    batches = rank_batches(plan, programs, grid)
+    batches = rank_batches(plan, programs)
     if not any(stage.gather_per_microbatch for stage in plan.stages):
         collectives = step_collectives(plan, programs, batches, forward_only)
         play_rendezvous(plan, programs, batches, collectives)

@@ -31,7 +31,7 @@ def schedule_batches(ctx: CostContext, plan: Plan) -> tuple[tuple[P2PBatch, ...]
     recording: only the plans whose messages are played under NCCL's rules need them."""
     played = _played(ctx, plan)
     if played.batches is None:
-        played.batches = rank_batches(plan, played.programs, played.grid)
+        played.batches = rank_batches(plan, played.programs)
     return played.batches
 
 
