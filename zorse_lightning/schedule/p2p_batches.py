@@ -34,10 +34,10 @@ whose ranks take half the microbatches each as quick per microbatch as the
 single-GPU stage feeding it; its batches then hold the feeder's next
 activation together with a gradient the wide stage sends much later, and on
 one H100 feeding two (Llama 13B, 544 microbatches, NCCL's play) the step took
-12275 ms where it takes 10709 with the durations below (10712 in the closed form). So each rank's
-actions last the iteration over their count, as in a balanced plan, whose
-ranks are all busy about as long: where every rank runs as many actions,
-these are the unit steps.
+12275 ms where it takes 10709 with the durations below (10712 in the closed
+form). So each rank's actions last the iteration over their count, as in a
+balanced plan, whose ranks are all busy about as long: where every rank runs
+as many actions, these are the unit steps.
 
 Receiving in the instant a message is sent holds it on the receiver until its
 action runs: as many messages as the play keeps in its channels, which for
@@ -125,7 +125,7 @@ def _balanced_play(plan: Plan, programs: Sequence[Sequence[Action]]) -> tuple[li
         program = programs[rank]
         while len(ends[rank]) < len(program):
             receives, sends = messages_of(plan, rank, program[len(ends[rank])])
-            missing = next(((m.src, m.dst) for m in receives if not channels.get((m.src, m.dst)) or channels[(m.src, m.dst)][0] != m), None)
+            missing = next(((m.src, m.dst) for m in receives if (channels.get((m.src, m.dst)) or [None])[0] != m), None)
             if missing is not None:
                 blocked[missing] = rank
                 break

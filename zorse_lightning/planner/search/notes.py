@@ -76,9 +76,11 @@ def _prediction_note(choice: Choice, plan: Plan) -> str:
     """How the plan is predicted, and by how much the closed form the search screens with disagrees."""
     simulated = f"{choice.simulated} of {len(choice.pool)} plans the search priced were simulated ({choice.simulated_work:,} units of 2 V M R)"
     if choice.budget < 0:
-        simulated += f"; the budget of plays ran out: {choice.answer_plays} leading the pool in the closed form were played past it to settle the answer"
+        simulated += (f"; the budget of plays ran out: {choice.answer_plays} leading the pool in the closed form were played "
+                      f"past it to settle the answer")
     if plan.predicted.closed_form_ms is None:
-        return f"predicted by the cost model's closed form: its stages gather parameters per microbatch, which the simulation does not play; {simulated}"
+        return (f"predicted by the cost model's closed form: its stages gather parameters per microbatch, which the "
+                f"simulation does not play; {simulated}")
     closed, ms = plan.predicted.closed_form_ms, plan.predicted.iteration_ms
     if not simulable(plan):
         return (f"predicted by the closed form ({closed:.1f} ms) times what the simulation of the same pipeline "
