@@ -23,17 +23,24 @@ from zorse_lightning.schedule.plan import Plan
 def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
     """Forwards a rank of stage ``stage_index`` runs before its first backward under 1F1B.
 
-    Equal single-rank stages need one per later stage (``S - 1 - i``): the
-    classic warm-up. A later stage of ``w_j`` ranks fed by ``w_i`` ranks needs
-    ``ceil(w_j / w_i)`` from each feeder to give every one of its ranks a
-    microbatch; with only one, a narrow stage feeding a wide one kept a single
-    microbatch per later stage in flight and the wide stage's ranks took turns
-    (measured: 4.45 s a step against 1.5 s of compute, 1 rank feeding 3).
-    The engine's schedule (:func:`one_f_one_b_limit`) and the planner's memory
-    model use this one count.
+    A rank keeps busy while the microbatches it has in flight cover one round trip: its own microbatch and
+    the time each spends downstream, from the next stage's forward to its backward. A rank of the next stage
+    keeps ``L`` in flight (counting the one it works on) and, in a balanced plan, spends ``w_j / w_i`` of this
+    rank's time on each (it takes a ``w_i / w_j`` share of the microbatches), so a microbatch stays there
+    ``L w_j / w_i`` of this rank's microbatches: ``L_i = 1 + ceil(L_j w_j / w_i)``, ``L = 1`` on the last
+    stage, and the warm-up is ``L_i - 1``. Equal stages give the classic ``S - 1 - i``; a narrow stage
+    feeding a wide one keeps each of its ranks busy (one warm-up for a single later stage's ranks, as
+    measured: 4.45 s a step against 1.5 s of compute with one in flight, 1 rank feeding 3). Counting each
+    later stage's ``ceil(w_j / w_i)`` instead (the rule until 2026-11-29) left a narrow stage feeding a wide
+    one that feeds a narrow one short: its ranks waited for the wide stage's backwards, one H100 feeding 2,
+    3 or 4 that feed one played 206, 262 and 245 ms where this count plays 171, 201 and 177 (their closed
+    forms 172, 204 and 178: ``tests/planner/test_schedule.py``). The engine's schedule
+    (:func:`one_f_one_b_limit`) and the planner's memory model use this one count.
     """
-    mine = stage_widths[stage_index]
-    return sum(-(-width // mine) for width in stage_widths[stage_index + 1 :])
+    in_flight = 1
+    for downstream in range(len(stage_widths) - 1, stage_index, -1):
+        in_flight = 1 + -(-in_flight * stage_widths[downstream] // stage_widths[downstream - 1])
+    return in_flight - 1
 
 
 def one_f_one_b_limit(plan: Plan, group: int) -> int:
