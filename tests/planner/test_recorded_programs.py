@@ -25,8 +25,8 @@ def _on_other_ranks(plan: Plan, rng: random.Random) -> Plan:
 
 def test_a_plan_of_a_recorded_shape_gets_the_programs_and_batches_recorded_for_it_alone() -> None:
     """120 random plans (widths 1-4, uneven shares, idle ranks, GPipe and 1F1B, interleaved up to 4), each
-    recorded first, then the same shape on renumbered ranks: no second recording, and its programs, unit-step
-    grid and batches are those recording it alone gives."""
+    recorded first, then the same shape on renumbered ranks: no second recording, and its programs and
+    batches are those recording it alone gives."""
     rng = random.Random(41)
     inventory = synthetic_cluster(16, 8)
     ctx = CostContext.build(inventory, reference_profile("llama_tiny", [t.name for t in inventory.gpu_types]))

@@ -37,11 +37,9 @@ def schedule_batches(ctx: CostContext, plan: Plan) -> tuple[tuple[P2PBatch, ...]
 
 @dataclass
 class _Played:
-    """One plan's programs and unit-step grid (:func:`..schedule.played_programs`), and its batches once
-    asked for."""
+    """One plan's programs (:func:`..schedule.played_programs`), and its batches once asked for."""
 
     programs: tuple[tuple[Action, ...], ...]
-    grid: tuple[tuple[Action | None, ...], ...]
     batches: tuple[tuple[P2PBatch, ...], ...] | None = None
 
 
@@ -61,15 +59,15 @@ def _shape(plan: Plan) -> tuple:
 
 
 def _played(ctx: CostContext, plan: Plan) -> _Played:
-    """``plan``'s programs and grid: recorded once per shape, given to each plan of the shape rank for rank
-    (its batches are its own: a step's receives keep the order of their senders' ranks)."""
+    """``plan``'s programs: recorded once per shape, given to each plan of the shape rank for rank (its batches
+    are its own: an instant's receives keep the order of their senders' ranks)."""
     key = _shape(plan)
     if key not in ctx._programs:
-        ctx._programs[key] = (plan, played_programs(plan), {})
-    source, (programs, grid), mine = ctx._programs[key]
+        ctx._programs[key] = (plan, played_programs(plan)[0], {})
+    source, programs, mine = ctx._programs[key]
     ranks = tuple(s.ranks for s in plan.stages)
     if ranks not in mine:
-        mine[ranks] = _Played(*(_moved(rows, source, plan) for rows in (programs, grid)))
+        mine[ranks] = _Played(_moved(programs, source, plan))
     return mine[ranks]
 
 
