@@ -5,8 +5,9 @@ by the event simulation of the engine's own programs (:mod:`..cost.simulate`), a
 3.9x on the shipped clusters, a slow link between stages most). So the plan held is simulated before it
 prunes anything (:meth:`Choice.settle`), and the loop simulates the others whose closed form, times the
 lowest ratio of simulation to closed form seen (:meth:`Choice.floor`), could still win. A plan beyond the
-search's one budget of work, or whose stages gather parameters per microbatch (which the simulation does
-not play), keeps its closed form: :func:`price` is the one pricing of every plan and baseline.
+search's one budget of work keeps its closed form while the search runs, but the plan returned is played
+(:meth:`Choice._answer`); only a plan whose stages gather parameters per microbatch (which the simulation
+does not play) is returned in its closed form: :func:`price` is the one pricing of every plan and baseline.
 
 Two margins break near-ties towards the plainer plan, as handicaps on its time (:func:`handicap`): a plan
 leaving GPUs idle wastes hardware the user has, and an interleaved plan sends V times the messages.

@@ -7,8 +7,9 @@ any plan they can give (:mod:`.bound`), refined as the search learns (:meth:`_Lo
 the next, drafts it in the closed form or splits and fits it (:mod:`.fit`), offers what fits to the choice
 (:mod:`.choice`) and queues what that opens: the program's split, the interleavings, the gathered plan
 where a remedy was needed, the other orders of the plan held, and each plan's simulation. It stops when the
-next bound reaches the plan held, simulated; work beyond its one budget (:data:`.space.WORK_PER_GPU`) keeps
-the closed form. GPipe is tried only when pinned: its time equals 1F1B's and its memory is never smaller.
+next bound reaches the plan held, simulated; plans beyond its one budget (:data:`.space.WORK_PER_GPU`) keep
+the closed form, but the one returned is played. GPipe is tried only when pinned: its time equals 1F1B's
+and its memory is never smaller.
 """
 
 from __future__ import annotations

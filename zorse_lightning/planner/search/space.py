@@ -32,7 +32,8 @@ from zorse_lightning.schedule.plan import Plan
 
 WORK_PER_GPU = 2**15
 """Work (:func:`.choice.work_of`: ``2 V M R`` and a fixed cost per play) the search may spend recording
-programs and simulating plans, per GPU of the cluster: beyond it plans keep their closed form. Per GPU
+programs and simulating plans, per GPU of the cluster: beyond it plans keep their closed form (but the one
+returned, :meth:`.choice.Choice._answer`). Per GPU
 because the planning-time goals grow with the cluster (2 s at 32 GPUs, 60 s at 1024). At ``2^13`` the loop
 lost the peers' structures on four machines of four types (Llama 7B: 9258 against 9149 ms; Llama 3B: 4993
 against 4765 ms); at ``2^15`` it finds them (``bench/plan_scaling.py``: 8 GPUs 6.2 s, 32 GPUs 2.3 s,
