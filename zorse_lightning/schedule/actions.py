@@ -7,9 +7,11 @@ messages into what the engine posts together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from zorse_lightning.errors import PlanningError
 from zorse_lightning.schedule.plan import Plan, StagePlan
 
 
@@ -72,6 +74,16 @@ def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], l
         recv = [Message(_source(plan.stages[s + 1], j, index), rank, kind, j, s)] if s < last else []
         send = [Message(rank, dst, kind, j, s - 1) for dst in _targets(plan.stages[s - 1], j, index, degree)] if s > 0 else []
     return recv, send
+
+
+def deadlock_error(plan: Plan, programs: Sequence[Sequence[Action]], done: Sequence[int]) -> PlanningError:
+    """The error of programs that cannot go on with unbounded buffers: each rank with actions left (``done[rank]``
+    of them run), at the action it waits at, and the messages that action waits for."""
+    waiting = [
+        f"rank {rank} at {program[done[rank]]} waits for {[str(m) for m in messages_of(plan, rank, program[done[rank]])[0]]}"
+        for rank, program in enumerate(programs) if done[rank] < len(program)
+    ]
+    return PlanningError("schedule deadlocks: " + "; ".join(waiting))
 
 
 def _source(other: StagePlan, microbatch: int, index: int) -> int:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from math import lcm
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, deadlock_error, messages_of
 from zorse_lightning.schedule.plan import Plan
 
 
@@ -140,12 +140,8 @@ def _balanced_play(plan: Plan, programs: Sequence[Sequence[Action]]) -> tuple[li
                 channels.setdefault((m.src, m.dst), deque()).append(m)
                 if (m.src, m.dst) in blocked:
                     ready.append(blocked.pop((m.src, m.dst)))
-    stuck = [rank for rank, program in enumerate(programs) if len(ends[rank]) < len(program)]
-    if stuck:
-        raise PlanningError("schedule deadlocks: " + "; ".join(
-            f"rank {rank} at {programs[rank][len(ends[rank])]} waits for "
-            f"{[str(m) for m in messages_of(plan, rank, programs[rank][len(ends[rank])])[0]]}" for rank in stuck
-        ))
+    if any(len(ends[rank]) < len(program) for rank, program in enumerate(programs)):
+        raise deadlock_error(plan, programs, [len(mine) for mine in ends])
     return ends, sent
 
 

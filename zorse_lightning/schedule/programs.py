@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, deadlock_error, messages_of
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_programs
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit, one_f_one_b_warmup  # noqa: F401  the planner's import path
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch, play_rendezvous, rank_batches
@@ -135,7 +135,7 @@ def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple
                 if all(channels.get((m.src, m.dst), [None])[:1] == [m] for m in receives):
                     ready.append((rank, receives, sends))
         if not ready:
-            raise PlanningError(f"schedule deadlocks: {_stuck_description(plan, programs, cursor, channels)}")
+            raise deadlock_error(plan, programs, cursor)
         running = {rank for rank, _, _ in ready}
         for rank in range(len(programs)):
             grid[rank].append(programs[rank][cursor[rank]] if rank in running else None)
@@ -151,15 +151,6 @@ def play_in_steps(plan: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple
     if leftovers:
         raise PlanningError(f"schedule leaves {len(leftovers)} messages unreceived, first {leftovers[0]}")
     return tuple(tuple(row) for row in grid)
-
-
-def _stuck_description(plan, programs, cursor, channels) -> str:
-    waiting = []
-    for rank, program in enumerate(programs):
-        if cursor[rank] < len(program):
-            receives, _ = messages_of(plan, rank, program[cursor[rank]])
-            waiting.append(f"rank {rank} at {program[cursor[rank]]} waits for {[str(m) for m in receives]}")
-    return "; ".join(waiting)
 
 
 def check_coverage(plan: Plan, programs: tuple[tuple[Action, ...], ...], forward_only: bool = False) -> None:

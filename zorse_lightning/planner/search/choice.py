@@ -138,7 +138,7 @@ class Choice:
     def simulate(self, plan: Plan) -> bool:
         """Simulate ``plan`` of the pool (no longer there: simulated already) where the budget allows, or take its
         twin's simulation (:attr:`twins`); whether it did either."""
-        index = next((i for i, kept in enumerate(self.pool) if kept is plan), None)
+        index = self._index(plan)
         if self.ctx is None or index is None or simulated(plan) or not simulable(plan):
             return False
         key = twin_key(plan)
@@ -155,6 +155,10 @@ class Choice:
         self.simulated_since[id(plan)] = plan
         self.chosen = min(self.pool, key=_rank_ms)
         return True
+
+    def _index(self, plan: Plan) -> int | None:
+        """Where ``plan`` (this very object) lies in the pool; None where it is not there."""
+        return next((i for i, kept in enumerate(self.pool) if kept is plan), None)
 
     def _play(self, index: int, plan: Plan) -> None:
         """Put ``plan`` at ``index`` of the pool as its simulation predicts it (:meth:`_played`)."""
@@ -207,7 +211,7 @@ class Choice:
             self.chosen = min(self.pool, key=_rank_ms, default=None)
             if self.chosen is None or not simulable(self.chosen) or simulated(self.chosen) and id(self.chosen) not in self.proxies:
                 return
-            index = next(i for i, kept in enumerate(self.pool) if kept is self.chosen)
+            index = self._index(self.chosen)
             own = self.chosen
             if id(own) in self.proxies:
                 self.proxies.discard(id(own))
