@@ -90,10 +90,10 @@ def test_no_random_plan_deadlocks_under_nccl_rules_and_the_old_order_does():
 
 
 def test_a_reduction_started_inside_the_last_backward_hangs_a_replicated_stage_and_the_placed_one_does_not():
-    """Stages [0, 1] | [2, 3], shares 3+1 and 1+3. A replica of stage 1 that starts its reduction inside its
+    """Stages [0, 1] | [2, 3], shares 4+1 and 1+4. A replica of stage 1 that starts its reduction inside its
     last backward holds its host before posting the gradient upstream; its peer waits for an activation the
     upstream rank sends only after that gradient."""
-    plan = hand_plan([((0, 1), (3, 1), (0, 2)), ((2, 3), (1, 3), (2, 4))])
+    plan = hand_plan([((0, 1), (4, 1), (0, 2)), ((2, 3), (1, 4), (2, 4))])
     plan = replace(plan, stages=tuple(replace(s, machines=(f"m{i}",) * 2) for i, s in enumerate(plan.stages)))
     schedule = build_schedule(plan)  # plays the placed collectives
     assert [c.what for c in schedule.collectives[2]] == [
@@ -111,7 +111,7 @@ def test_a_reduction_started_inside_the_last_backward_hangs_a_replicated_stage_a
     message = str(raised.value)
     assert "rank 2, after 2 of its 2 actions, waits in stage 1's gradient reduction over ranks [2, 3] for rank(s) [3]" in message
     assert "and waits to send gradient of microbatch 0 (stages 0-1) to rank 0" in message
-    assert "rank 0, after 2 of its 6 actions, waits to receive gradient of microbatch 0 (stages 0-1) from rank 2" in message
+    assert "rank 0, after 6 of its 8 actions, waits to receive gradient of microbatch 0 (stages 0-1) from rank 2" in message
 
 
 def test_collectives_issued_in_another_order_on_two_ranks_hang():

@@ -13,7 +13,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_programs
-from zorse_lightning.schedule.programs import ActionKind, build_schedule, fewest_steps, microbatch_order, rank_programs
+from zorse_lightning.schedule.programs import ActionKind, build_schedule, shortest_play, microbatch_order, rank_programs
 
 
 def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, schedule=Schedule.ONE_F_ONE_B):
@@ -123,18 +123,18 @@ def test_random_interleaved_plans_of_uneven_widths_and_shares_never_deadlock(see
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_no_play_is_shorter_than_fewest_steps_and_the_programs_are_the_shorter_play(seed):
-    """fewest_steps bounds both 1F1B plays of random interleaved plans (uneven widths and shares), and the
+def test_no_play_is_shorter_than_shortest_play_and_the_programs_are_the_shorter_play(seed):
+    """shortest_play bounds both 1F1B plays of random interleaved plans (uneven widths and shares), and the
     programs kept are the shorter play (the strict one on a tie) whether or not the relaxed play was skipped
     for the strict one meeting the bound."""
     plan = replace(_random_interleaved(seed), schedule=Schedule.ONE_F_ONE_B)
     order = microbatch_order(plan)
     plays = [one_f_one_b_programs(plan, order, strict) for strict in (True, False)]
-    assert all(steps >= fewest_steps(plan) for _, steps in plays)
+    assert all(steps >= shortest_play(plan) for _, steps in plays)
     assert rank_programs(plan) == min(plays, key=lambda play: play[1])[0]
 
 
 @pytest.mark.parametrize("microbatches", [4, 8, 12])
-def test_the_strict_play_of_equal_groups_meets_fewest_steps(microbatches):
+def test_the_strict_play_of_equal_groups_meets_shortest_play(microbatches):
     plan = interleave(_equal_pipeline(4, 4, microbatches), 2)
-    assert one_f_one_b_programs(plan, microbatch_order(plan), True)[1] == fewest_steps(plan) == 2 * microbatches * 2 + 2 * 3
+    assert one_f_one_b_programs(plan, microbatch_order(plan), True)[1] == shortest_play(plan) == 2 * microbatches * 2 + 2 * 3

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.schedule.actions import Action, ActionKind, Message, deadlock_error, messages_of
-from zorse_lightning.schedule.one_f_one_b import one_f_one_b_programs
+from zorse_lightning.schedule.one_f_one_b import balanced_durations, one_f_one_b_programs
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit, one_f_one_b_warmup  # noqa: F401  the planner's import path
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch, play_rendezvous, rank_batches
 from zorse_lightning.schedule.plan import Plan
@@ -89,7 +89,7 @@ def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action,
         if plan.interleave == 1:
             return one_f_one_b_programs(plan, order, strict=False)[0]
         strict = one_f_one_b_programs(plan, order, strict=True)
-        if strict[1] == fewest_steps(plan):  # no play is shorter: the relaxed one would lose the tie anyway
+        if strict[1] == shortest_play(plan):  # no play is shorter: the relaxed one would lose the tie anyway
             return strict[0]
         return min((strict, one_f_one_b_programs(plan, order, strict=False)), key=lambda r: r[1])[0]
     programs: list[tuple[Action, ...]] = [()] * plan.world_size
@@ -103,15 +103,18 @@ def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action,
     return tuple(programs)
 
 
-def fewest_steps(plan: Plan) -> int:
-    """No play of ``plan``'s programs in unit steps is shorter: a rank of group ``g`` waits ``g`` steps for its
-    first activation to pass the groups before it, runs its actions one a step, and its last backward's gradient
-    then takes ``g`` more to reach the first group. Megatron's interleaved order meets it on equal groups
-    (``2 M V + 2 (G - 1)``), and did on 11 of the 14 interleaved plans recorded at 32 synthetic GPUs: the second
-    play (:func:`rank_programs`) is then not needed."""
-    per_microbatch = 2 * plan.interleave
+def shortest_play(plan: Plan) -> int:
+    """No 1F1B play of ``plan`` (:func:`~.one_f_one_b.one_f_one_b_programs`, in its units) is shorter: a rank of
+    group ``g`` waits for its first activation to pass the groups before it (a quickest action of each), runs
+    its actions back to back over the whole span, and its last backward's gradient then passes them again.
+    Megatron's interleaved order meets it on equal groups (``2 M V + 2 (G - 1)``), and did on 11 of the 14
+    interleaved plans recorded at 32 synthetic GPUs: the second play (:func:`rank_programs`) is then not needed."""
+    durations = balanced_durations(plan)
+    span = max(len(plan.stages_of_group(g)) * 2 * n * durations[r] for g, stage in enumerate(plan.rank_groups)
+               for r, n in zip(stage.ranks, stage.microbatches_per_rank) if n > 0)
+    passes = [min((durations[r] for r in stage.ranks if r in durations), default=0) for stage in plan.rank_groups]
     return max(
-        (per_microbatch * n + 2 * g for g, stage in enumerate(plan.rank_groups) for n in stage.microbatches_per_rank if n > 0),
+        (span + 2 * sum(passes[:g]) for g, stage in enumerate(plan.rank_groups) if any(n > 0 for n in stage.microbatches_per_rank)),
         default=0,
     )
 
