@@ -7,12 +7,16 @@ from dataclasses import replace
 
 import pytest
 
+from test_planner_fixtures import synthetic_profile
 from testing.plans import hand_plan
-from zorse_lightning.capabilities import Schedule
+from zorse_lightning.capabilities import P2PRules, Schedule
+from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
+from zorse_lightning.planner import CostContext
+from zorse_lightning.planner.cost.evaluate import plan_cost
+from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
-from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit
-from zorse_lightning.schedule.one_f_one_b import one_f_one_b_programs
+from zorse_lightning.schedule.one_f_one_b import interleaving_round, one_f_one_b_limit, one_f_one_b_programs
 from zorse_lightning.schedule.programs import ActionKind, build_schedule, shortest_play, microbatch_order, rank_programs
 
 
@@ -138,3 +142,24 @@ def test_no_play_is_shorter_than_shortest_play_and_the_programs_are_the_shorter_
 def test_the_strict_play_of_equal_groups_meets_shortest_play(microbatches):
     plan = interleave(_equal_pipeline(4, 4, microbatches), 2)
     assert one_f_one_b_programs(plan, microbatch_order(plan), True)[1] == shortest_play(plan) == 2 * microbatches * 2 + 2 * 3
+
+
+@pytest.mark.parametrize("widths, degree", [((2, 1, 1), 2), ((1, 2, 1), 3), ((2, 1), 3), ((1, 3), 2), ((2, 1, 2), 3), ((1, 2), 3)])
+def test_interleaving_across_groups_of_different_widths_plays_near_its_closed_form(widths, degree):
+    """H100s, 48 microbatches, each group's chunks as many layers per rank (a balanced plan): the engine's
+    programs played under NCCL's rules within 4 % of the closed form. Recorded in unit steps with rounds of
+    each rank's own G microbatches they played 1.07-2.5x it (2, 1, 1 at 2 chunks: 1.83x)."""
+    h100 = DEFAULT_CATALOG.get("h100-sxm")
+    inventory = ClusterInventory("one", (Machine("m0", (h100,) * sum(widths), intra_bandwidth_gbps=600.0),))
+    profile = synthetic_profile(("h100-sxm",), num_layers=2 * degree * sum(widths), vocab=1000)
+    firsts = [sum(widths[:g]) for g in range(len(widths))]
+    stages, start = [], 0
+    for _ in range(degree):
+        for first, width in zip(firsts, widths):
+            stages.append((tuple(range(first, first + width)), (48 // width,) * width, (start, start + 2 * width)))
+            start += 2 * width
+    plan = hand_plan(stages, inventory=inventory, interleave=degree)
+    ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
+    assert simulate(ctx, plan).makespan_ms <= 1.04 * plan_cost(ctx, plan).iteration_ms
+    round_size = interleaving_round(plan)
+    assert round_size >= sum(widths) and all(round_size % width == 0 for width in widths)
