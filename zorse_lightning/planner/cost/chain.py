@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zorse_lightning.capabilities import Schedule
-from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per_microbatch
+from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per_microbatch, shared_link_ms
 from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
 from zorse_lightning.schedule.plan import Plan
@@ -42,6 +42,7 @@ def pipeline_elements(
         for g in range(groups)
     ]
     latencies, busy = [], []
+    links = shared_link_ms(boundaries)
     for g in range(groups):
         counts = list(plan.stages[g].microbatches_per_rank)
         latencies.append(stage_latency_ms(totals[g], counts) / degree)
@@ -49,7 +50,8 @@ def pipeline_elements(
         crossings = [boundaries[b] for b in chunks[g] if b < len(boundaries)]
         if crossings:
             latencies.append(2 * crossings[0].transfer_ms)
-            busy.append(sum(b.busy_ms for b in crossings))
+            shared = max(links[key] for b in crossings for key, _ in b.link_ms)
+            busy.append(max(sum(b.busy_ms for b in crossings), shared))
     receive = receive_ms_per_microbatch(plan, boundaries)
     round_trips = _round_trips_ms(plan, stages, boundaries) if degree > 1 else []
     phases = _phases_ms(plan, stages) if degree > 1 else 0.0  # plain: no waits (own + (0 - own) / rounds <= own)
