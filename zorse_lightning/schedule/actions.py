@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from math import lcm
 from typing import NamedTuple
 
 from zorse_lightning.errors import PlanningError
@@ -53,6 +54,14 @@ class Message(NamedTuple):
     boundary: int
     """The boundary crossed: between stage ``boundary`` and ``boundary + 1`` (interleaved
     groups send several boundaries' messages over one channel)."""
+
+
+def balanced_durations(actions: dict[int, int]) -> dict[int, int]:
+    """How long each rank's actions last in a balanced plan, whose ranks are all busy about as long: the
+    iteration over the rank's count of ``actions``, in units of ``1 / lcm`` of the counts (exact integers; 1
+    where every rank runs as many). The plays that record 1F1B's order and the point-to-point batches use it."""
+    span = lcm(*actions.values()) if actions else 1
+    return {rank: span // count for rank, count in actions.items()}
 
 
 def messages_of(plan: Plan, rank: int, action: Action) -> tuple[list[Message], list[Message]]:

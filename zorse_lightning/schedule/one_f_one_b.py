@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from math import lcm
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, balanced_durations, messages_of
 from zorse_lightning.schedule.plan import Plan
 
 
@@ -65,6 +65,16 @@ def one_f_one_b_limit(plan: Plan, group: int) -> int:
     return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * max(sum(feeds), -(-interleaving_round(plan) // widths[group])) + 1
 
 
+def action_counts(plan: Plan) -> dict[int, int]:
+    """Each working rank's forwards and backwards under 1F1B (or GPipe): two per microbatch of its share and chunk."""
+    return {
+        rank: 2 * len(plan.stages_of_group(group)) * n
+        for group, stage in enumerate(plan.rank_groups)
+        for rank, n in zip(stage.ranks, stage.microbatches_per_rank)
+        if n > 0
+    }
+
+
 def interleaving_round(plan: Plan) -> int:
     """Microbatches of all ranks in one round of the interleaved order (each through one chunk before the
     next): one round trip of the pipeline, as many as the groups' replicas (Megatron's ``G`` for single-GPU
@@ -92,7 +102,7 @@ def one_f_one_b_programs(
     no rank runs and none can start within the limits do ranks exceed them, so the
     play, and the engine, cannot deadlock.
 
-    Each rank's actions last the iteration over their count (:func:`balanced_durations`),
+    Each rank's actions last the iteration over their count (:func:`~.actions.balanced_durations`),
     as in a balanced plan, whose ranks are all busy about as long: where every rank
     runs as many actions these are unit steps. Unit steps for all made a wide
     group's ranks, which take a fraction of the microbatches each, as quick per
@@ -112,10 +122,10 @@ def one_f_one_b_programs(
     its first chunk and stalls the later ones (``4 x 16`` microbatches at ``V = 4``: 169
     steps for 134). :func:`~.programs.rank_programs` keeps the shorter of the two plays.
 
-    Returns the programs and the play's length, in the units of :func:`balanced_durations`.
+    Returns the programs and the play's length, in the units of :func:`~.actions.balanced_durations`.
     """
     last_stage = len(plan.stages) - 1
-    durations = balanced_durations(plan)
+    durations = balanced_durations(action_counts(plan))
     position = {j: k for k, j in enumerate(order)}
     round_size = interleaving_round(plan)
     state = {}
@@ -171,19 +181,6 @@ def one_f_one_b_programs(
     return programs, now
 
 
-def balanced_durations(plan: Plan) -> dict[int, int]:
-    """How long each working rank's 1F1B actions last in a balanced plan: the iteration over the rank's count
-    of actions, in units of ``1 / lcm`` of the counts (exact integers; 1 where every rank runs as many)."""
-    counts = {
-        rank: 2 * len(plan.stages_of_group(group)) * n
-        for group, stage in enumerate(plan.rank_groups)
-        for rank, n in zip(stage.ranks, stage.microbatches_per_rank)
-        if n > 0
-    }
-    span = lcm(*counts.values()) if counts else 1
-    return {rank: span // count for rank, count in counts.items()}
-
-
 @dataclass
 class _RankPlay:
     """One rank's progress during :func:`one_f_one_b_programs` (local to it).
@@ -200,7 +197,7 @@ class _RankPlay:
     position: dict[int, int]
     """Each microbatch's place in the order every rank walks (shared, read only)."""
     round_size: int
-    """Microbatches (of all ranks) per interleaving round (:func:`one_f_one_b_programs`)."""
+    """Microbatches (of all ranks) per interleaving round (:func:`interleaving_round`)."""
     limit: int
     last_stage: int
     """The plan's last stage, whose backwards need no gradient."""

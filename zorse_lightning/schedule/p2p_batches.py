@@ -52,10 +52,9 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import lcm
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, deadlock_error, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, balanced_durations, deadlock_error, messages_of
 from zorse_lightning.schedule.plan import Plan
 
 
@@ -110,9 +109,9 @@ def _balanced_play(plan: Plan, programs: Sequence[Sequence[Action]]) -> tuple[li
     """Each rank's actions' end times, and what each action sends with its end, in a play where an action
     starts once the rank's previous one ended and its messages were sent and sit first in their channels
     (each sender's messages to a rank are received in the order sent), and a rank's actions each last the
-    iteration over their count (in units of ``1 / lcm`` of the counts: exact). Raises where a rank can never
+    iteration over their count (:func:`~.actions.balanced_durations`). Raises where a rank can never
     go on (the programs deadlock with unbounded buffers)."""
-    span = lcm(*(len(program) for program in programs if program))
+    durations = balanced_durations({rank: len(program) for rank, program in enumerate(programs) if program})
     ends: list[list[int]] = [[] for _ in programs]
     sent: list[list[tuple[int, list[Message]]]] = [[] for _ in programs]
     at: dict[Message, int] = {}
@@ -132,7 +131,7 @@ def _balanced_play(plan: Plan, programs: Sequence[Sequence[Action]]) -> tuple[li
             start = max([ends[rank][-1] if ends[rank] else 0] + [at[m] for m in receives])
             for m in receives:
                 channels[(m.src, m.dst)].popleft()
-            ends[rank].append(start + span // len(program))
+            ends[rank].append(start + durations[rank])
             if sends:
                 sent[rank].append((ends[rank][-1], sends))
             for m in sends:

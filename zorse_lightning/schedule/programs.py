@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 from zorse_lightning.capabilities import Schedule
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, deadlock_error, messages_of
-from zorse_lightning.schedule.one_f_one_b import balanced_durations, one_f_one_b_programs
+from zorse_lightning.schedule.actions import Action, ActionKind, Message, balanced_durations, deadlock_error, messages_of
+from zorse_lightning.schedule.one_f_one_b import action_counts, one_f_one_b_programs
 from zorse_lightning.schedule.one_f_one_b import one_f_one_b_limit, one_f_one_b_warmup  # noqa: F401  the planner's import path
 from zorse_lightning.schedule.p2p_batches import HostCollective, P2PBatch, play_rendezvous, rank_batches
 from zorse_lightning.schedule.plan import Plan
@@ -109,7 +109,7 @@ def shortest_play(plan: Plan) -> int:
     its actions back to back over the whole span, and its last backward's gradient then passes them again.
     Megatron's interleaved order meets it on equal groups (``2 M V + 2 (G - 1)``), and did on 11 of the 14
     interleaved plans recorded at 32 synthetic GPUs: the second play (:func:`rank_programs`) is then not needed."""
-    durations = balanced_durations(plan)
+    durations = balanced_durations(action_counts(plan))
     span = max(len(plan.stages_of_group(g)) * 2 * n * durations[r] for g, stage in enumerate(plan.rank_groups)
                for r, n in zip(stage.ranks, stage.microbatches_per_rank) if n > 0)
     passes = [min((durations[r] for r in stage.ranks if r in durations), default=0) for stage in plan.rank_groups]
