@@ -12,9 +12,9 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
-from math import lcm
 
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.schedule.actions import Action, ActionKind, Message, balanced_durations, messages_of
@@ -44,7 +44,7 @@ def one_f_one_b_warmup(stage_widths: tuple[int, ...], stage_index: int) -> int:
     return in_flight - 1
 
 
-def one_f_one_b_limit(plan: Plan, group: int) -> int:
+def one_f_one_b_limit(plan: Plan, group: int, round_size: int | None = None) -> int:
     """Forwards a rank of ``group`` may have in flight (not yet backwarded) under 1F1B.
 
     Without interleaving: the warm-up of :func:`one_f_one_b_warmup` (the planner's
@@ -52,17 +52,20 @@ def one_f_one_b_limit(plan: Plan, group: int) -> int:
     warm-up, ``2 (G - g - 1) + (V - 1) G`` chunk-forwards for ``G`` equal groups,
     with each later group counted ``ceil(w_h / w_g)`` times where widths differ
     (a narrow group feeding a wide one must give each of its ranks work), and each
-    round at least the rank's part of :func:`interleaving_round`: a wide group's rank
-    fed by narrower ones runs a round of its own before its first chunk's backward.
-    Counting the groups alone left it short where the round is rounded up: widths
-    2, 1 at 3 chunks (H100s, 48 microbatches) played 1.30x the closed form, 1.04x
-    with it.
+    round at least the rank's round (:func:`interleaving_rounds`; ``round_size``, by
+    default the group's largest): a narrow group's rank fed by a wider one runs its
+    longer round before its first chunk's backward. Counting the groups alone left
+    it short: widths 2, 1 at 3 chunks (H100s, 48 microbatches) played 1.30x the
+    closed form, 1.04x with it.
     """
     widths = tuple(len(stage.replicas) for stage in plan.rank_groups)
     if plan.interleave == 1:
         return one_f_one_b_warmup(widths, group) + 1
     feeds = [-(-width // widths[group]) for width in widths]
-    return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * max(sum(feeds), -(-interleaving_round(plan) // widths[group])) + 1
+    if round_size is None:
+        rounds = interleaving_rounds(plan)
+        round_size = max((rounds[rank] for rank in plan.rank_groups[group].ranks if rank in rounds), default=1)
+    return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * max(sum(feeds), round_size) + 1
 
 
 def action_counts(plan: Plan) -> dict[int, int]:
@@ -75,16 +78,40 @@ def action_counts(plan: Plan) -> dict[int, int]:
     }
 
 
-def interleaving_round(plan: Plan) -> int:
-    """Microbatches of all ranks in one round of the interleaved order (each through one chunk before the
-    next): one round trip of the pipeline, as many as the groups' replicas (Megatron's ``G`` for single-GPU
-    groups), rounded up to a multiple of every group's width so that each rank of a group takes as many
-    microbatches of every round. Rounds of ``G`` of each rank's own microbatches (the rule until 2026-12-07)
-    misaligned wherever widths differ: a group of two took six microbatches a round from a single-GPU one
-    that took three, and widths 2, 1, 1 at 2 chunks played 1.83x the closed form; 0.97x with this round."""
-    widths = [len(stage.replicas) for stage in plan.rank_groups]
-    unit = lcm(*widths)
-    return -(-sum(widths) // unit) * unit
+def interleaving_rounds(plan: Plan) -> dict[int, int]:
+    """Each working rank's round in the interleaved order: how many of its microbatches it runs through one
+    chunk before the same go through the next (:func:`one_f_one_b_programs`).
+
+    A round must cover a round trip of the pipeline, so that a microbatch is back for the rank's next chunk
+    when the rank reaches it: ``G`` microbatches (Megatron's round) for ranks that pass their microbatches
+    to one rank of each other group, as many as the rank holds. A rank that takes the microbatches of
+    several ranks of another group (a narrow group after a wide one) sees each of those ranks' rounds in turn,
+    so its round is ``G`` times its share over the least share of any rank holding its microbatches: rounds
+    then align across groups. Rounds of ``G`` for every rank misaligned wherever widths differ (a group of two
+    took six microbatches a round from a single-GPU one that took three: widths 2, 1, 1 at 2 chunks played
+    1.83x the closed form, now 0.97x); one round of all ranks' microbatches broke the ranks of uneven shares
+    in equal groups (sixteen groups of 8 A100s taking 45 microbatches and 8 V100s taking 19, x2: 2092.7 ms
+    became 4094.7), whose ranks form lanes of their own."""
+    groups = plan.rank_groups
+    if plan.interleave == 1:
+        return {rank: len(groups) for group in groups for rank in group.ranks}
+    starts = [[share.start for share in group.microbatch_ranges().values()] for group in groups]
+    counts = [list(group.microbatch_ranges().values()) for group in groups]
+    rounds = {}
+    for group in groups:
+        for rank, share in group.microbatch_ranges().items():
+            if not share:
+                continue
+            least = len(share)
+            for other_starts, other in zip(starts, counts):  # the shares of each group that overlap this one
+                first = bisect_right(other_starts, share.start) - 1
+                for held in other[max(first, 0) :]:
+                    if held.start >= share.stop:
+                        break
+                    if held and held.stop > share.start:
+                        least = min(least, len(held))
+            rounds[rank] = -(-len(groups) * len(share) // least)
+    return rounds
 
 
 def one_f_one_b_programs(
@@ -112,8 +139,8 @@ def one_f_one_b_programs(
     time (0.96x with the rounds below).
 
     Interleaved, a rank prefers its chunk-forwards and chunk-backwards in Megatron's
-    order: a round of microbatches (:func:`interleaving_round`, ``G`` for ``G``
-    single-GPU groups) through one chunk, then the same through the next (backwards
+    order: a round of its microbatches (:func:`interleaving_rounds`, ``G`` for ``G``
+    equal groups) through one chunk, then the same through the next (backwards
     from the last chunk), then the next round. ``strict``: it
     keeps to that order (waits for its next action's input), which for equal groups
     gives Megatron's ``2 M V + 2 (G - 1)`` chunk-steps exactly; else a ready action runs
@@ -126,15 +153,15 @@ def one_f_one_b_programs(
     """
     last_stage = len(plan.stages) - 1
     durations = balanced_durations(action_counts(plan))
-    position = {j: k for k, j in enumerate(order)}
-    round_size = interleaving_round(plan)
+    rounds = interleaving_rounds(plan)
     state = {}
     for group, stage in enumerate(plan.rank_groups):
         chunks = plan.stages_of_group(group)
         for rank, share in stage.microbatch_ranges().items():
             mine = [j for j in order if j in share]
             if mine:
-                state[rank] = _RankPlay(chunks, mine, position, round_size, one_f_one_b_limit(plan, group), last_stage)
+                limit = one_f_one_b_limit(plan, group, rounds[rank])
+                state[rank] = _RankPlay(chunks, mine, {j: k for k, j in enumerate(mine)}, rounds[rank], limit, last_stage)
     channels: dict[tuple[int, int], deque[Message]] = {}
     running: list[tuple[int, int, list[Message]]] = []
     """Actions running, as (end, rank, sends), a heap."""
@@ -195,9 +222,9 @@ class _RankPlay:
     microbatches: list[int]
     """The rank's share, in the order it walks it."""
     position: dict[int, int]
-    """Each microbatch's place in the order every rank walks (shared, read only)."""
+    """Each of its microbatches' place in :attr:`microbatches` (the preference key is asked for often)."""
     round_size: int
-    """Microbatches (of all ranks) per interleaving round (:func:`interleaving_round`)."""
+    """Its microbatches per interleaving round (:func:`interleaving_rounds`)."""
     limit: int
     last_stage: int
     """The plan's last stage, whose backwards need no gradient."""

@@ -11,7 +11,7 @@ from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per
 from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
 from zorse_lightning.schedule.plan import Plan
-from zorse_lightning.schedule.one_f_one_b import interleaving_round
+from zorse_lightning.schedule.one_f_one_b import interleaving_rounds
 from zorse_lightning.schedule.programs import one_f_one_b_limit
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def pipeline_elements(
             latencies.append(2 * crossings[0].transfer_ms)
             shared = max(links[key] for b in crossings for key, _ in b.link_ms)
             busy.append(max(sum(b.busy_ms for b in crossings), shared))
+    round_of = interleaving_rounds(plan) if degree > 1 else {}
     receive = receive_ms_per_microbatch(plan, boundaries)
     round_trips = _round_trips_ms(plan, stages, boundaries) if degree > 1 else []
     phases = _phases_ms(plan, stages) if degree > 1 else 0.0  # plain: no waits (own + (0 - own) / rounds <= own)
@@ -60,36 +61,15 @@ def pipeline_elements(
         element = 2 * g  # groups and boundaries alternate
         counts = list(plan.stages[g].microbatches_per_rank)
         waits = receive[g] if degree == 1 else [sum(chunk) for chunk in zip(*(receive[s] for s in chunks[g]))]
-        limit = {n: _in_flight(plan, g, n) for n in set(counts)}  # alike GPUs of a wide stage: one count each
+        group_round = max((round_of[r] for r in plan.stages[g].ranks if r in round_of), default=1)
+        limit = {n: _in_flight(plan, g, n, group_round) for n in set(counts)}  # alike GPUs of a wide stage: one count each
         in_flight = [limit[n] for n in counts]
         counted = sum(latencies[element + 1 :])
         waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
         own = busy[element]
         rounds = max(1, -(-max(counts) // groups))
-        partial = partial_round_ms(plan, totals[g], counts) if degree > 1 else 0.0
-        busy[element] = max(own, waiting, receiving_busy_ms(totals[g], counts, waits, degree), own + (phases - own) / rounds) + partial
+        busy[element] = max(own, waiting, receiving_busy_ms(totals[g], counts, waits, degree), own + (phases - own) / rounds)
     return latencies, busy
-
-
-def partial_round_ms(plan: Plan, microbatch_ms: list[float], counts: list[int]) -> float:
-    """Interleaved: what a group's ranks idle in a last round short of their part of a round.
-
-    A rank runs its microbatches in rounds (:func:`..schedule.one_f_one_b.interleaving_round`: its part
-    ``q`` of each), a round through one chunk before the next, and a microbatch comes back to the rank's
-    next chunk only after a round trip through every group, which a whole round covers. A last round of
-    ``r < q`` leaves ``q - r`` chunk-actions of that trip idle at each of the ``V - 1`` chunk changes (a
-    chunk-action: ``t / 2V``), beyond whatever the whole rounds wait. Six single-GPU groups of H100s at 8
-    microbatches: played 1.11x and 1.16x the closed form at 2 and 3 chunks without it, 1.02x and 1.04x with
-    it (Megatron requires a multiple of the groups); six groups of four GPUs (mix32, Llama 7B) at 8 a rank and 3
-    chunks: 1.21x without, 1.09x with it."""
-    degree, round_size = plan.interleave, interleaving_round(plan)
-    idle = [0.0]
-    for t, n in zip(microbatch_ms, counts):
-        if n > 0:
-            share = -(-round_size * n // plan.num_microbatches)
-            left = n % share
-            idle.append((degree - 1) * (share - left) * t / (2 * degree) if left else 0.0)
-    return max(idle)
 
 
 def _phases_ms(plan: Plan, stages: tuple[StageCost, ...]) -> float:
@@ -107,12 +87,12 @@ def _phases_ms(plan: Plan, stages: tuple[StageCost, ...]) -> float:
     return sum(max(stages[s].busy_ms for s in range(chunk * groups, (chunk + 1) * groups)) for chunk in range(plan.interleave))
 
 
-def _in_flight(plan: Plan, group: int, microbatches: int) -> int:
+def _in_flight(plan: Plan, group: int, microbatches: int, round_size: int) -> int:
     """Forwards (chunk-forwards, interleaved) a rank of ``group`` with ``microbatches`` keeps in flight."""
     if plan.interleave == 1:
         return microbatches_in_flight(plan.schedule, tuple(len(s.replicas) for s in plan.stages), group, microbatches)
     forwards = microbatches * plan.interleave
-    return forwards if plan.schedule is Schedule.GPIPE else min(forwards, one_f_one_b_limit(plan, group))
+    return forwards if plan.schedule is Schedule.GPIPE else min(forwards, one_f_one_b_limit(plan, group, round_size))
 
 
 def _round_trips_ms(plan: Plan, stages: tuple[StageCost, ...], boundaries: tuple[BoundaryCost, ...]) -> list[float]:
