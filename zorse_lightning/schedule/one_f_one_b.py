@@ -96,14 +96,14 @@ def interleaving_rounds(plan: Plan) -> dict[int, int]:
     if plan.interleave == 1:
         return {rank: len(groups) for group in groups for rank in group.ranks}
     starts = [[share.start for share in group.microbatch_ranges().values()] for group in groups]
-    counts = [list(group.microbatch_ranges().values()) for group in groups]
+    shares = [list(group.microbatch_ranges().values()) for group in groups]
     rounds = {}
     for group in groups:
         for rank, share in group.microbatch_ranges().items():
             if not share:
                 continue
             least = len(share)
-            for other_starts, other in zip(starts, counts):  # the shares of each group that overlap this one
+            for other_starts, other in zip(starts, shares):  # the shares of each group that overlap this one
                 first = bisect_right(other_starts, share.start) - 1
                 for held in other[max(first, 0) :]:
                     if held.start >= share.stop:
