@@ -63,9 +63,14 @@ def one_f_one_b_limit(plan: Plan, group: int, round_size: int | None = None) -> 
         return one_f_one_b_warmup(widths, group) + 1
     feeds = [-(-width // widths[group]) for width in widths]
     if round_size is None:
-        rounds = interleaving_rounds(plan)
-        round_size = max((rounds[rank] for rank in plan.rank_groups[group].ranks if rank in rounds), default=1)
+        round_size = group_round(plan, group, interleaving_rounds(plan))
     return 2 * sum(feeds[group + 1 :]) + (plan.interleave - 1) * max(sum(feeds), round_size) + 1
+
+
+def group_round(plan: Plan, group: int, rounds: dict[int, int]) -> int:
+    """The longest round (``rounds``: :func:`interleaving_rounds`) of a rank of ``group``: what the planner's
+    closed form counts its ranks as keeping in flight."""
+    return max((rounds[rank] for rank in plan.rank_groups[group].ranks if rank in rounds), default=1)
 
 
 def action_counts(plan: Plan) -> dict[int, int]:
@@ -95,8 +100,8 @@ def interleaving_rounds(plan: Plan) -> dict[int, int]:
     groups = plan.rank_groups
     if plan.interleave == 1:
         return {rank: len(groups) for group in groups for rank in group.ranks}
-    starts = [[share.start for share in group.microbatch_ranges().values()] for group in groups]
     shares = [list(group.microbatch_ranges().values()) for group in groups]
+    starts = [[share.start for share in group_shares] for group_shares in shares]
     rounds = {}
     for group in groups:
         for rank, share in group.microbatch_ranges().items():
@@ -161,7 +166,7 @@ def one_f_one_b_programs(
             mine = [j for j in order if j in share]
             if mine:
                 limit = one_f_one_b_limit(plan, group, rounds[rank])
-                state[rank] = _RankPlay(chunks, mine, {j: k for k, j in enumerate(mine)}, rounds[rank], limit, last_stage)
+                state[rank] = _RankPlay(chunks, mine, rounds[rank], limit, last_stage)
     channels: dict[tuple[int, int], deque[Message]] = {}
     running: list[tuple[int, int, list[Message]]] = []
     """Actions running, as (end, rank, sends), a heap."""
@@ -221,8 +226,6 @@ class _RankPlay:
     """The rank's stages, in layer order."""
     microbatches: list[int]
     """The rank's share, in the order it walks it."""
-    position: dict[int, int]
-    """Each of its microbatches' place in :attr:`microbatches` (the preference key is asked for often)."""
     round_size: int
     """Its microbatches per interleaving round (:func:`interleaving_rounds`)."""
     limit: int
@@ -233,6 +236,8 @@ class _RankPlay:
     in :attr:`in_flight` or backwarded (:meth:`_first_left`)."""
     _next: int = field(default=0, repr=False)
     _ran: set[Action] = field(default_factory=set, repr=False)
+    _position: dict[int, int] = field(init=False, repr=False)
+    """Each microbatch's place in :attr:`microbatches` (the preference key is asked for often)."""
     _chunk: dict[int, int] = field(init=False, repr=False)
     _first_stage: list[Action] = field(init=False, repr=False)
     """The forwards of the plan's first stage (none unless the rank runs it), in preference order: they
@@ -250,6 +255,7 @@ class _RankPlay:
     """:attr:`backwardable` likewise."""
 
     def __post_init__(self) -> None:
+        self._position = {j: k for k, j in enumerate(self.microbatches)}
         self._chunk = {s: c for c, s in enumerate(self.chunks)}
         self.pending = sorted(
             (Action(s, ActionKind.FORWARD, j) for s in self.chunks for j in self.microbatches), key=self._forward_key
@@ -257,7 +263,7 @@ class _RankPlay:
         self._first_stage = [action for action in reversed(self.pending) if action.stage == 0]
 
     def _key(self, action: Action, chunk: int) -> tuple[int, int, int]:
-        position = self.position[action.microbatch]
+        position = self._position[action.microbatch]
         return position // self.round_size, chunk, position % self.round_size
 
     def _forward_key(self, action: Action) -> tuple[int, int, int]:

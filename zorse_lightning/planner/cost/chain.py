@@ -11,7 +11,7 @@ from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per
 from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
 from zorse_lightning.schedule.plan import Plan
-from zorse_lightning.schedule.one_f_one_b import interleaving_rounds
+from zorse_lightning.schedule.one_f_one_b import group_round, interleaving_rounds
 from zorse_lightning.schedule.programs import one_f_one_b_limit
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ def pipeline_elements(
         element = 2 * g  # groups and boundaries alternate
         counts = list(plan.stages[g].microbatches_per_rank)
         waits = receive[g] if degree == 1 else [sum(chunk) for chunk in zip(*(receive[s] for s in chunks[g]))]
-        group_round = max((round_of[r] for r in plan.stages[g].ranks if r in round_of), default=1)
-        limit = {n: _in_flight(plan, g, n, group_round) for n in set(counts)}  # alike GPUs of a wide stage: one count each
+        round_size = group_round(plan, g, round_of)
+        limit = {n: _in_flight(plan, g, n, round_size) for n in set(counts)}  # alike GPUs of a wide stage: one count each
         in_flight = [limit[n] for n in counts]
         counted = sum(latencies[element + 1 :])
         waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
