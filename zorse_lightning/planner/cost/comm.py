@@ -8,7 +8,9 @@ What overlaps and what does not (the pipeline formula in :mod:`.compute` uses th
   it (its notice crosses the link the other way, behind what it has just sent
   there): the sender computes on, the receiver waits for the whole transfer. So each
   rank is busy its compute plus its incoming transfers per microbatch
-  (:func:`.compute.receiving_busy_ms`); a boundary limits the iteration when its
+  (:func:`.compute.receiving_busy_ms`); under NCCL's rules the receive is posted
+  ahead, in the batch of the instant its message is sent, and no notice crosses
+  (:func:`.boundaries.receive_ms_per_microbatch`); a boundary limits the iteration when its
   busiest link needs longer than that; during fill and drain each boundary adds
   one transfer each way to the critical path;
 * gradient synchronisation of a stage (:func:`stage_sync_ms`, by sharding level)

@@ -152,7 +152,8 @@ def receiving_busy_ms(microbatch_ms: list[float], microbatches: list[int], recei
     action that needs it: a message sent early waits at the sender. So a rank that
     waits ``x`` ms for its messages per microbatch (the activation from the previous
     stage, the gradient from the next: see :func:`.boundaries.receive_ms_per_microbatch`)
-    is busy ``t + x`` per microbatch, not ``t`` with the transfers hidden under compute. Its first receive lies in the fill the
+    is busy ``t + x`` per microbatch, not ``t`` with the transfers hidden under compute (under NCCL's
+    rules, whose receives are posted ahead, ``x`` is the messages alone). Its first receive lies in the fill the
     boundaries' latencies already count, hence ``n t + (n - 1) x``. A rank holding
     ``chunks`` chunks (interleaved) receives per chunk: ``x`` sums its chunks' waits, and
     only the first of its ``n chunks`` receives is in the fill: ``n t + (n chunks - 1) x / chunks``.

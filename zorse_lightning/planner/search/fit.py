@@ -172,11 +172,11 @@ def interleaved_best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degr
     as their embedding and head stay); no tail (an interleaving is sharded afresh: :func:`interleaved_draft`).
     Made once per structure and degree: a split is keyed by the least over its degrees, again wherever a
     floor falls."""
-    return ctx.memo(("best case", structure(plain), degree), lambda: _best_case_ms(plain, base, degree))
+    return ctx.memo(("best case", structure(plain), degree), lambda: _best_case_ms(ctx, plain, base, degree))
 
 
-def _best_case_ms(plain: Plan, base: PlanCost, degree: int) -> float:
-    waits = receive_ms_per_microbatch(plain, base.boundaries)
+def _best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) -> float:
+    waits = receive_ms_per_microbatch(plain, base.boundaries, ctx.p2p_rules)
     counts = _chunked_counts(plain, degree, [stage.busy_ms for stage in base.stages])
     latencies = [2 * boundary.transfer_ms for boundary in base.boundaries]
     excess = [boundary.busy_ms * degree - latency for boundary, latency in zip(base.boundaries, latencies)]

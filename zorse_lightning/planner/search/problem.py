@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from zorse_lightning.capabilities import TENSOR_PARALLEL_SHARDING, Schedule, Sharding
+from zorse_lightning.capabilities import TENSOR_PARALLEL_SHARDING, P2PRules, Schedule, Sharding
 from zorse_lightning.planner.cost.comm import stage_sync_ms, transfer_ms
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import tied_sync_ms
@@ -146,14 +146,19 @@ def round_trip_ms(
 
 def receive_wait_ms(ctx: CostContext, layout: Layout, stage: int, ranks: tuple[int, ...], message_bytes: float) -> float:
     """Per microbatch, the transfers a GPU of ``ranks`` (on stage ``stage`` of ``layout``) waits for,
-    over the slowest link to each neighbouring stage: the activation from the previous stage with
-    the gradient it sent there ahead of its notice, and the gradient from the next stage.
+    over the slowest link to each neighbouring stage: the activation from the previous stage (under
+    gloo's rules with the gradient it sent there ahead of its notice), and the gradient from the next
+    stage (:func:`.cost.boundaries.receive_ms_per_microbatch`).
 
     The engine's receives block (:func:`.cost.compute.receiving_busy_ms`), so these waits add to the
     stage's busy time per microbatch as its compute does: splits that balance compute alone leave
     the stages with the most or slowest transfers (the middle ones, across slow links) busiest.
     """
-    wait = round_trip_ms(ctx, layout[stage - 1], ranks, message_bytes)[1] if stage > 0 else 0.0
+    wait = 0.0
+    if stage > 0:
+        wait = boundary_transfer_ms(ctx, layout[stage - 1], ranks, message_bytes, activation=True)[1]
+        if ctx.p2p_rules is P2PRules.GLOO:
+            wait += boundary_transfer_ms(ctx, ranks, layout[stage - 1], message_bytes, activation=False)[1]
     if stage < len(layout) - 1:
         wait += boundary_transfer_ms(ctx, layout[stage + 1], ranks, message_bytes, activation=False)[1]
     return wait
