@@ -20,6 +20,7 @@ from zorse_lightning.capabilities import Sharding
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.units import bytes_to_gib
 from zorse_lightning.planner.cost.boundaries import receive_ms_per_microbatch
+from zorse_lightning.planner.cost.chain import PHASE_WAIT_SHARE
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import (
     PlanCost, memory_overruns, plan_cost, prediction, with_stage_costs,
@@ -166,8 +167,9 @@ def interleaved_best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degr
     drafting it (most interleavings the search opens lose: their drafts were a fifth of planning a mixed
     cluster). The chain of :mod:`..cost.chain` from ``base``'s elements: each group's latency over the degree,
     each boundary's busy time ``V``-fold, each rank waiting for its messages of every chunk over the same links
-    (:func:`~..cost.compute.receiving_busy_ms` with ``V`` times the waits) and, in each of its rounds, for the
-    group whose chunks are heaviest (:func:`~..cost.chain._phases_ms`, at least the busiest group's work), its
+    (:func:`~..cost.compute.receiving_busy_ms` with ``V`` times the waits) and, for its share
+    (:data:`~..cost.chain.PHASE_WAIT_SHARE`), for the group whose chunks are heaviest
+    (:func:`~..cost.chain._phases_ms`, at least the busiest group's work), its
     work scaled by its layers where layers move (:func:`_chunked_counts`; the first and last groups' only down,
     as their embedding and head stay); no tail (an interleaving is sharded afresh: :func:`interleaved_draft`).
     Made once per structure and degree: a split is keyed by the least over its degrees, again wherever a
@@ -185,8 +187,7 @@ def _best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) ->
     for stage, cost, scale, work, waited in zip(plain.stages, base.stages, scales, own, waits):
         latencies.append(cost.latency_ms * scale / degree)
         receiving = max((n * t.total_ms * scale + (n * degree - 1) * x for t, n, x in zip(cost.times, stage.microbatches_per_rank, waited) if n > 0), default=0.0)
-        rounds = max(1, -(-max(stage.microbatches_per_rank) // len(counts)))
-        excess.append(max(receiving, work + (max(own) - work) / rounds) - latencies[-1])
+        excess.append(max(receiving, work + (max(own) - work) * PHASE_WAIT_SHARE) - latencies[-1])
     return sum(latencies) + max(excess)
 
 
