@@ -24,11 +24,11 @@ work) that a rank pays: about half, as a rank runs ahead on the chunks it holds.
 chunks in flight absorb, so it is measured. Single H100 groups whose chunks differ most (3 and 1 layers against
 1 and 3; three groups, 3-1-1 rotated; four, 1-2-5-2 rotated), at 2 to 16 rounds, played 0.94-1.06 of the closed
 form with it but for three groups at 2 rounds, 1.11 (0.78-0.95 with the whole excess, 0.88-1.00 with three
-quarters). The 82 interleaved plans twenty
-searches played on seven clusters came at a median 1.016 of it, 47 within 2 % (with :func:`_with_short_rounds`). The estimate it replaced, one
-round's waits (the excess over the rank's rounds), played up to 1.43x (the four groups at 16 rounds), and on
-the searches a median 1.040, 24 within 2 %: four machines of four types, GPT 2.7B, chunks of 1 to 5 layers x3
-and x4, played 1.05-1.14x it, and the search spent its budget playing them before the peers' structure."""
+quarters). The 82 interleaved plans twenty searches played on seven clusters came at a median 1.016 of it, 47
+within 2 % (with :func:`_with_short_rounds`). The estimate it replaced, one round's waits (the excess over the
+rank's rounds), played up to 1.43x (the four groups at 16 rounds), and on the searches a median 1.040, 24
+within 2 %: four machines of four types, GPT 2.7B, chunks of 1 to 5 layers x3 and x4, played 1.05-1.14x it,
+and the search spent its budget playing them before it came to the peers' structure."""
 
 
 def pipeline_elements(
@@ -80,8 +80,9 @@ def pipeline_elements(
         in_flight = [limit[n] for n in counts]
         counted = sum(latencies[element + 1 :])
         waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
-        own = busy[element] if degree == 1 else _with_short_rounds(plan, stages, g, round_of)
-        busy[element] = max(own, waiting, receiving_busy_ms(totals[g], counts, waits, degree), own + (phases - busy[element]) * PHASE_WAIT_SHARE)
+        work = busy[element]
+        own = work if degree == 1 else _with_short_rounds(plan, stages, g, round_of)
+        busy[element] = max(own, waiting, receiving_busy_ms(totals[g], counts, waits, degree), own + (phases - work) * PHASE_WAIT_SHARE)
     return latencies, busy
 
 
