@@ -144,7 +144,8 @@ def test_an_interleaving_is_sharded_as_the_search_shards_whatever_its_plain_plan
     """a100x4_v100x4, GPT 2.7B at 8 samples per GPU (NCCL's rules): the plain plan of the V100s then the A100s
     leaves the A100s unsharded (their step ends within the V100s' backward of the last microbatch, 8 layers),
     but interleaved x4 that drain is one chunk's, and the A100s' longer step shows (1303.3 against 1292.3 ms
-    played). Its interleavings start from the search's sharding, and the search returns the sharded x4."""
+    played). Its interleavings start from the search's sharding, and the search returns the sharded x4 (1290.9
+    ms since the floors' ceiling played one more of its kind; 1292.3 before)."""
     inventory = load_cluster("a100x4_v100x4")
     profile = reference_profile("gpt_2.7b", [t.name for t in inventory.gpu_types], 512, "float16")
     batch = 8 * inventory.world_size
@@ -156,13 +157,14 @@ def test_an_interleaving_is_sharded_as_the_search_shards_whatever_its_plain_plan
     assert {s.sharding.value for s in interleaved_draft(search, plain, 4, busy).stages} == {"optimizer_gradients"}
     plan = make_plan(inventory, profile, batch)
     assert plan.interleave == 4 and {s.sharding.value for s in plan.stages} == {"optimizer_gradients"}
-    assert plan.predicted.iteration_ms == pytest.approx(1292.26, abs=0.01)
+    assert plan.predicted.iteration_ms == pytest.approx(1290.89, abs=0.01)
 
 
 def test_a_split_only_its_interleavings_could_win_opens_them_unfitted(monkeypatch: pytest.MonkeyPatch) -> None:
     """lab4_l4_a6000_p40, GPT 2.7B at global batch 128 (NCCL's rules): the splits whose plain plan cannot beat
-    the plan held are not fitted (30 of the splits taken at most, where every one was: 61), and their
-    interleavings start from their drafts. The plan: x3 over the P40, both L4s and the A6000 (widths 1, 2, 1),
+    the plan held are not fitted (32 of the splits taken at most, 30 before the floors' ceiling, where every
+    one was: 61), and their interleavings start from their drafts. The plan: x3 over the P40, both L4s and the
+    A6000 (widths 1, 2, 1),
     18668.1 ms. Recorded in unit steps, such interleavings across groups of different widths played 1.15-1.5x
     their closed form, the search spent its budget playing them and kept one stage of every GPU (19023.6 ms);
     in balanced time this one plays 1.017x its closed form."""
@@ -173,7 +175,7 @@ def test_a_split_only_its_interleavings_could_win_opens_them_unfitted(monkeypatc
     plan = make_plan(inventory, reference_profile("gpt_2.7b", [t.name for t in inventory.gpu_types], 512, "float16"), 128)
     assert plan.predicted.iteration_ms == pytest.approx(18668.1, abs=0.1) and plan.interleave == 3
     assert [len(group.ranks) for group in plan.rank_groups] == [1, 2, 1]
-    assert len(fitted) <= 30
+    assert len(fitted) <= 32
 
 
 def test_an_interleaving_that_fits_nowhere_still_teaches_its_floor(monkeypatch: pytest.MonkeyPatch) -> None:
