@@ -164,10 +164,9 @@ def test_a_split_only_its_interleavings_could_win_opens_them_unfitted(monkeypatc
     """lab4_l4_a6000_p40, GPT 2.7B at global batch 128 (NCCL's rules): the splits whose plain plan cannot beat
     the plan held are not fitted (32 of the splits taken at most, 30 before the floors' ceiling, where every
     one was: 61), and their interleavings start from their drafts. The plan: x3 over the P40, both L4s and the
-    A6000 (widths 1, 2, 1),
-    18668.1 ms. Recorded in unit steps, such interleavings across groups of different widths played 1.15-1.5x
-    their closed form, the search spent its budget playing them and kept one stage of every GPU (19023.6 ms);
-    in balanced time this one plays 1.017x its closed form."""
+    A6000 (widths 1, 2, 1), 18668.1 ms. Recorded in unit steps, such interleavings across groups of different
+    widths played 1.15-1.5x their closed form, the search spent its budget playing them and kept one stage of
+    every GPU (19023.6 ms); in balanced time this one plays 1.017x its closed form."""
     fitted = []
     split = loop.heuristic_split
     monkeypatch.setattr(loop, "heuristic_split", lambda *args: fitted.append(args) or split(*args))
