@@ -9,7 +9,7 @@ import pytest
 
 from test_planner_fixtures import synthetic_profile
 from testing.plans import hand_plan
-from zorse_lightning.capabilities import P2PRules, Schedule
+from zorse_lightning.capabilities import P2PRules, Schedule, Sharding
 from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.planner import CostContext
 from zorse_lightning.planner.cost.boundaries import boundary_cost
@@ -18,7 +18,13 @@ from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
 from zorse_lightning.schedule.one_f_one_b import interleaving_rounds, one_f_one_b_limit, one_f_one_b_programs
-from zorse_lightning.schedule.programs import ActionKind, build_schedule, shortest_play, microbatch_order, rank_programs
+from zorse_lightning.profiling import reference_profile
+from zorse_lightning.schedule.actions import messages_of
+from zorse_lightning.schedule.p2p_batches import rank_batches
+from zorse_lightning.schedule.programs import (
+    ActionKind, build_schedule, microbatch_order, played_programs, rank_programs, shortest_play, waited_receive_shares,
+)
+from testing.synthetic_cluster import four_machines_four_types
 
 
 def _equal_pipeline(groups: int, layers_per_group: int, microbatches: int, schedule=Schedule.ONE_F_ONE_B):
@@ -148,9 +154,11 @@ def test_the_strict_play_of_equal_groups_meets_shortest_play(microbatches):
 @pytest.mark.parametrize("widths, degree", [((2, 1, 1), 2), ((1, 2, 1), 3), ((2, 1), 3), ((1, 3), 2), ((2, 1, 2), 3), ((1, 2), 3)])
 def test_interleaving_across_groups_of_different_widths_plays_near_its_closed_form(widths, degree):
     """H100s, 48 microbatches, each group's chunks as many layers per rank (a balanced plan): the engine's
-    programs played under NCCL's rules within 6 % of the closed form (0.975-1.058, the most for 2, 1 at 3
-    chunks). Recorded in unit steps with rounds of each rank's own G microbatches they played 1.07-2.5x a
-    closed form up to 4 % higher (2, 1, 1 at 2 chunks: 1.83x)."""
+    programs played under NCCL's rules within 10 % of the closed form (0.975-1.091, the most for 2, 1 at 3
+    chunks, whose single GPU waits for its two feeders in turn; 1.058 while the closed form charged it every
+    message under NCCL's rules too, which it takes ahead: ``chain._waited``). Recorded in unit steps with
+    rounds of each rank's own G microbatches they played 1.07-2.5x a closed form up to 4 % higher (2, 1, 1 at
+    2 chunks: 1.83x)."""
     h100 = DEFAULT_CATALOG.get("h100-sxm")
     inventory = ClusterInventory("one", (Machine("m0", (h100,) * sum(widths), intra_bandwidth_gbps=600.0),))
     profile = synthetic_profile(("h100-sxm",), num_layers=2 * degree * sum(widths), vocab=1000)
@@ -162,7 +170,7 @@ def test_interleaving_across_groups_of_different_widths_plays_near_its_closed_fo
             start += 2 * width
     plan = hand_plan(stages, inventory=inventory, interleave=degree)
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
-    assert simulate(ctx, plan).makespan_ms <= 1.06 * plan_cost(ctx, plan).iteration_ms
+    assert simulate(ctx, plan).makespan_ms <= 1.10 * plan_cost(ctx, plan).iteration_ms
     rounds = interleaving_rounds(plan)  # a narrow group's rank runs the rounds of each rank feeding it
     assert [rounds[first] for first in firsts] == [len(widths) * max(widths) // width for width in widths]
 
@@ -231,3 +239,56 @@ def test_interleaving_across_a_slow_link_prices_every_crossing_on_it(degree):
     crossing_ms = boundary_cost(ctx, plan, 0).link_ms[0][1]  # one boundary's activations on the link a -> b
     assert closed.iteration_ms >= (2 * degree - 1) * crossing_ms
     assert abs(simulate(ctx, plan).makespan_ms / closed.iteration_ms - 1) <= 0.05
+
+
+@pytest.mark.parametrize("groups, degree, microbatches", [(4, 3, 16), (3, 2, 8), (2, 4, 6)])
+def test_the_waited_share_of_one_gpu_groups_is_that_of_wide_groups_of_equal_shares(groups, degree, microbatches):
+    """The closed form reads which messages a rank waits for under NCCL's rules (those the next action needs as
+    its batch receives them) from a pipeline of one-GPU groups: groups two GPUs wide, every rank as many
+    microbatches, post the same batches rank for rank. Plain, every message but one a rank is needed at once."""
+    stages = [((2 * g, 2 * g + 1), (microbatches,) * 2, (k, k + 1)) for k, g in enumerate(list(range(groups)) * degree)]
+    plan = hand_plan(stages, interleave=degree)
+    programs = played_programs(plan)[0]
+    for rank, (program, batches) in enumerate(zip(programs, rank_batches(plan, programs))):
+        needed = {m: index for index, action in enumerate(program) for m in messages_of(plan, rank, action)[0]}
+        waited = [needed[m] == batch.before for batch in batches for m in batch.receives]
+        share = waited_receive_shares(Schedule.ONE_F_ONE_B, groups, degree, microbatches)[rank // 2]
+        assert sum(waited) / len(waited) == pytest.approx(share)
+    plain = waited_receive_shares(Schedule.ONE_F_ONE_B, 4, 1, 32)
+    assert plain == pytest.approx((1.0, 63 / 64, 63 / 64, 31 / 32))
+
+
+def test_a_group_that_takes_its_messages_ahead_is_not_charged_them():
+    """Four machines of four GPUs of four types (A10G, V100, A100, A6000: the peers' GPT 6.7B structure, x3 at
+    microbatch 2): in Megatron's order the last group takes 96 % of its messages an action or more ahead of the
+    action that needs them, and its chunk-forwards of 30 ms cover their 0.7 ms. The closed form charged every
+    one (231 ms a step: 1.7 % over the play, and the search did not fit the peers' plan); now within 0.1 %."""
+    inventory = four_machines_four_types()
+    profile = reference_profile("gpt_6.7b", [t.name for t in inventory.gpu_types], 512, "float16")
+    groups = [(12, 13, 14, 15), (8, 9, 10, 11), (0, 1, 2, 3), (4, 5, 6, 7)]
+    cuts = [0, 1, 3, 9, 11, 12, 14, 20, 22, 23, 25, 31, 32]
+    stages = [(groups[k % 4], (64,) * 4, (cuts[k], cuts[k + 1])) for k in range(12)]
+    plan = hand_plan(stages, microbatch_size=2, inventory=inventory, interleave=3, sharding=Sharding.OPTIMIZER_GRADIENTS)
+    assert waited_receive_shares(plan.schedule, 4, 3, 64)[3] < 0.05
+    ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
+    assert simulate(ctx, plan).makespan_ms / plan_cost(ctx, plan).iteration_ms == pytest.approx(1.0, abs=0.001)
+
+
+@pytest.mark.parametrize("chunks", [(2, 2, 2, 3), (2, 2, 2, 2)])
+@pytest.mark.parametrize("gbps", [10.0, 25.0])
+def test_messages_taken_ahead_still_cost_what_the_actions_between_do_not_cover(chunks, gbps):
+    """Four one-H100 machines joined by 10 or 25 Gb/s, chunks of small layers x2: a message received an action
+    ahead still waits for what of it that action does not cover. Waiting for none of them, the play came
+    1.05-1.14x the closed form; for every one, 0.87-0.98x; now within 3 %."""
+    h100 = DEFAULT_CATALOG.get("h100-sxm")
+    inventory = ClusterInventory("four", tuple(Machine(f"m{g}", (h100,), intra_bandwidth_gbps=600.0) for g in range(4)),
+                                 inter_machine_bandwidth_gbps=gbps)
+    profile = synthetic_profile(("h100-sxm",), num_layers=2 * sum(chunks), vocab=1000)
+    stages, start = [], 0
+    for _ in range(2):
+        for g, layers in enumerate(chunks):
+            stages.append(((g,), (32,), (start, start + layers)))
+            start += layers
+    plan = hand_plan(stages, inventory=inventory, interleave=2)
+    ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
+    assert simulate(ctx, plan).makespan_ms / plan_cost(ctx, plan).iteration_ms == pytest.approx(1.0, abs=0.03)
