@@ -9,10 +9,11 @@ from dataclasses import replace
 from testing.plans import random_plan
 from testing.synthetic_cluster import synthetic_cluster
 from zorse_lightning.planner import CostContext
-from zorse_lightning.planner.cost.recorded_programs import programs_recorded, schedule_batches, schedule_programs
+from zorse_lightning.capabilities import Schedule
+from zorse_lightning.planner.cost.recorded_programs import action_orders, programs_recorded, schedule_batches, schedule_programs
 from zorse_lightning.profiling import reference_profile
 from zorse_lightning.schedule.p2p_batches import rank_batches
-from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.schedule.plan import Plan, StagePlan
 from zorse_lightning.schedule.programs import played_programs
 
 
@@ -43,3 +44,30 @@ def test_a_plan_of_a_recorded_shape_gets_the_programs_and_batches_recorded_for_i
         assert len(ctx._programs) == recordings
         relabelled += moved.stages != plan.stages
     assert relabelled > 100
+
+
+def test_plans_of_lanes_read_their_action_orders_from_the_lane_template() -> None:
+    """60 random plans of lanes (1-4 groups as many replicas wide, 1-3 of them, some two-GPU TP groups, every
+    replica as many microbatches, GPipe and 1F1B, interleaved up to 4): each rank's actions from the one-GPU
+    template are its own programs' stages and kinds in order, and pricing them records nothing."""
+    rng = random.Random(7)
+    inventory = synthetic_cluster(16, 8)
+    ctx = CostContext.build(inventory, reference_profile("llama_tiny", [t.name for t in inventory.gpu_types]))
+    for _ in range(60):
+        degree, width, count = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 12)
+        groups = rng.randint(1 if degree == 1 else 2, 4)
+        tp = [rng.choice([1, 1, 2]) for _ in range(groups)]
+        firsts = [sum(width * t for t in tp[:g]) for g in range(groups)]
+        stages = tuple(
+            StagePlan(ranks=tuple(range(firsts[g], firsts[g] + width * tp[g])), gpu_types=("cpu",) * (width * tp[g]),
+                      machines=("localhost",) * (width * tp[g]), layers=(k, k + 1), microbatches_per_rank=(count,) * (width * tp[g]),
+                      tensor_parallel=tp[g])
+            for k, g in enumerate(list(range(groups)) * degree)
+        )
+        plan = Plan("test", "test", groups * degree, firsts[-1] + width * tp[-1], width * count, 1,
+                    rng.choice([Schedule.ONE_F_ONE_B, Schedule.GPIPE]), stages, interleave=degree)
+        assert programs_recorded(ctx, plan)
+        orders = action_orders(ctx, plan)
+        assert not ctx._programs
+        programs = played_programs(plan)[0]
+        assert [[(a.stage, a.kind) for a in row] for row in orders] == [[(a.stage, a.kind) for a in row] for row in programs]

@@ -22,7 +22,8 @@ from zorse_lightning.profiling import reference_profile
 from zorse_lightning.schedule.actions import messages_of
 from zorse_lightning.schedule.p2p_batches import rank_batches
 from zorse_lightning.schedule.programs import (
-    ActionKind, build_schedule, microbatch_order, played_programs, rank_programs, shortest_play, waited_receive_shares,
+    ActionKind, build_schedule, lane_template, lanes, microbatch_order, played_programs, rank_programs, shortest_play,
+    waited_receive_shares,
 )
 from testing.synthetic_cluster import four_machines_four_types
 
@@ -242,20 +243,24 @@ def test_interleaving_across_a_slow_link_prices_every_crossing_on_it(degree):
 
 
 @pytest.mark.parametrize("groups, degree, microbatches", [(4, 3, 16), (3, 2, 8), (2, 4, 6)])
-def test_the_waited_share_of_one_gpu_groups_is_that_of_wide_groups_of_equal_shares(groups, degree, microbatches):
-    """The closed form reads which messages a rank waits for under NCCL's rules (those the next action needs as
-    its batch receives them) from a pipeline of one-GPU groups: groups two GPUs wide, every rank as many
-    microbatches, post the same batches rank for rank. Plain, every message but one a rank is needed at once."""
+def test_lanes_run_their_templates_programs_and_wait_for_the_same_messages(groups, degree, microbatches):
+    """A plan of groups two GPUs wide, every rank as many microbatches, is lanes of the one-GPU template: each
+    rank runs its group's template program action for action (stage and kind), and so holds the same peak of
+    activations and waits for the same share of its messages under NCCL's rules (those the next action needs as
+    its batch receives them). Plain, every message but one a rank is needed at once."""
     stages = [((2 * g, 2 * g + 1), (microbatches,) * 2, (k, k + 1)) for k, g in enumerate(list(range(groups)) * degree)]
     plan = hand_plan(stages, interleave=degree)
+    assert lanes(plan) == microbatches and lanes(hand_plan([((0, 1), (3, 5), (0, 1)), ((2, 3), (3, 5), (1, 2))])) is None
+    template, orders = lane_template(Schedule.ONE_F_ONE_B, groups, degree, microbatches)
+    shares = waited_receive_shares(template, orders)
     programs = played_programs(plan)[0]
     for rank, (program, batches) in enumerate(zip(programs, rank_batches(plan, programs))):
+        assert [(a.stage, a.kind) for a in program] == [(a.stage, a.kind) for a in orders[rank // 2]]
         needed = {m: index for index, action in enumerate(program) for m in messages_of(plan, rank, action)[0]}
         waited = [needed[m] == batch.before for batch in batches for m in batch.receives]
-        share = waited_receive_shares(Schedule.ONE_F_ONE_B, groups, degree, microbatches)[rank // 2]
-        assert sum(waited) / len(waited) == pytest.approx(share)
-    plain = waited_receive_shares(Schedule.ONE_F_ONE_B, 4, 1, 32)
-    assert plain == pytest.approx((1.0, 63 / 64, 63 / 64, 31 / 32))
+        assert sum(waited) / len(waited) == pytest.approx(shares[rank // 2])
+    plain = lane_template(Schedule.ONE_F_ONE_B, 4, 1, 32)
+    assert waited_receive_shares(*plain) == pytest.approx((1.0, 63 / 64, 63 / 64, 31 / 32))
 
 
 def test_a_group_that_takes_its_messages_ahead_is_not_charged_them():
@@ -269,7 +274,7 @@ def test_a_group_that_takes_its_messages_ahead_is_not_charged_them():
     cuts = [0, 1, 3, 9, 11, 12, 14, 20, 22, 23, 25, 31, 32]
     stages = [(groups[k % 4], (64,) * 4, (cuts[k], cuts[k + 1])) for k in range(12)]
     plan = hand_plan(stages, microbatch_size=2, inventory=inventory, interleave=3, sharding=Sharding.OPTIMIZER_GRADIENTS)
-    assert waited_receive_shares(plan.schedule, 4, 3, 64)[3] < 0.05
+    assert waited_receive_shares(*lane_template(plan.schedule, 4, 3, 64))[3] < 0.05
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
     assert simulate(ctx, plan).makespan_ms / plan_cost(ctx, plan).iteration_ms == pytest.approx(1.0, abs=0.001)
 

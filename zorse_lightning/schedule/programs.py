@@ -194,20 +194,36 @@ def played_programs(
     return programs, play_in_steps(plan, programs)
 
 
-def waited_receive_shares(schedule: Schedule, groups: int, chunks: int, microbatches: int) -> tuple[float, ...]:
-    """Per group of a pipeline of ``groups`` one-GPU groups holding ``chunks`` chunks each, every rank running
-    ``microbatches``: the share of a rank's received messages that the action right after the batch receiving
-    them needs (:mod:`.p2p_batches`: a rank takes each message in the batch of the instant its sender sends
-    it). Under NCCL's rules only those are waited for: a message received a batch or more ahead arrives while
-    the rank runs the actions between. A plain pipeline's ranks need nearly every message at once (all but one
-    of each rank's, the first group's every one); in Megatron's interleaved order the later groups take most
-    of theirs ahead (four groups x3, 32 microbatches: 85, 86, 56 and 9 %)."""
+def lane_template(schedule: Schedule, groups: int, chunks: int, microbatches: int) -> tuple[Plan, tuple[tuple[Action, ...], ...]]:
+    """A pipeline of ``groups`` one-GPU groups holding ``chunks`` chunks each, every rank running
+    ``microbatches``, and its programs. A plan whose groups hold as many replicas, each running as many
+    microbatches, is lanes of this one: each replica passes its microbatches to the next group's replica of its
+    place alone, and runs the program of its group's rank here, action for action (the same stages, kinds and
+    batches; its own microbatches), so what depends on that order is read here at a fraction of the recording
+    (the activations a rank holds at its peak, the messages it waits for)."""
     stages = tuple(
         StagePlan(ranks=(s % groups,), gpu_types=("template",), machines=("template",), layers=(s, s + 1), microbatches_per_rank=(microbatches,))
         for s in range(groups * chunks)
     )
     template = Plan("template", "template", groups * chunks, groups, microbatches, 1, schedule, stages, interleave=chunks)
-    programs = played_programs(template)[0]
+    return template, played_programs(template)[0]
+
+
+def lanes(plan: Plan) -> int | None:
+    """The microbatches of each replica of a plan that is lanes of :func:`lane_template` (every group as many
+    replicas, each as many microbatches); None where it is not."""
+    widths = {len(group.replicas) for group in plan.rank_groups}
+    counts = {n for group in plan.rank_groups for n in group.microbatches_per_rank}
+    return counts.pop() if len(widths) == 1 and len(counts) == 1 else None
+
+
+def waited_receive_shares(template: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[float, ...]:
+    """Per group of a :func:`lane_template`: the share of a rank's received messages that the action right after
+    the batch receiving them needs (:mod:`.p2p_batches`: a rank takes each message in the batch of the instant
+    its sender sends it). Under NCCL's rules only those are waited for: a message received a batch or more
+    ahead arrives while the rank runs the actions between. A plain pipeline's ranks need nearly every message
+    at once (all but one of each rank's, the first group's every one); in Megatron's interleaved order the
+    later groups take most of theirs ahead (four groups x3, 32 microbatches: 85, 86, 56 and 9 %)."""
     shares = []
     for rank, (program, batches) in enumerate(zip(programs, rank_batches(template, programs))):
         needed = {m: index for index, action in enumerate(program) for m in messages_of(template, rank, action)[0]}

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zorse_lightning.capabilities import Schedule
 from zorse_lightning.schedule.actions import Action
 from zorse_lightning.schedule.p2p_batches import P2PBatch, rank_batches
 from zorse_lightning.schedule.plan import Plan
-from zorse_lightning.schedule.programs import played_programs
+from zorse_lightning.schedule.programs import lane_template, lanes, played_programs
 
 if TYPE_CHECKING:
     from zorse_lightning.planner.cost.context import CostContext
@@ -43,9 +44,30 @@ class _Played:
     batches: tuple[tuple[P2PBatch, ...], ...] | None = None
 
 
+def action_orders(ctx: CostContext, plan: Plan) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions in the order it runs them, as far as their stages and kinds go (a rank's peak of
+    activations reads no more): a plan of lanes (:func:`..schedule.programs.lanes`) takes its group's program of
+    the lane template, recorded once per groups, chunks and count; any other its own programs."""
+    count = lanes(plan)
+    if count is None:
+        return schedule_programs(ctx, plan)
+    programs = lane_programs(ctx, plan.schedule, plan.num_groups, plan.interleave, count)[1]
+    out: list[tuple[Action, ...]] = [()] * plan.world_size
+    for g, group in enumerate(plan.rank_groups):
+        for rank in group.ranks:
+            out[rank] = programs[g]
+    return tuple(out)
+
+
+def lane_programs(ctx: CostContext, schedule: Schedule, groups: int, chunks: int, microbatches: int):
+    """:func:`..schedule.programs.lane_template` and its programs, once per arguments in ``ctx``."""
+    return ctx.memo(("lane template", schedule, groups, chunks, microbatches), lambda: lane_template(schedule, groups, chunks, microbatches))
+
+
 def programs_recorded(ctx: CostContext, plan: Plan) -> bool:
-    """Whether ``plan``'s shape has its programs recorded in ``ctx`` already (pricing it records none)."""
-    return _shape(plan) in ctx._programs
+    """Whether pricing ``plan`` records no programs: its shape's are recorded in ``ctx`` already, or it is lanes
+    (:func:`action_orders`)."""
+    return _shape(plan) in ctx._programs or lanes(plan) is not None
 
 
 def _shape(plan: Plan) -> tuple:

@@ -22,7 +22,7 @@ from zorse_lightning.planner.cost.memory import (
     stage_state_bytes,
     transient_bytes,
 )
-from zorse_lightning.planner.cost.recorded_programs import schedule_programs
+from zorse_lightning.planner.cost.recorded_programs import action_orders
 from zorse_lightning.planner.cost.tensor_parallel import rank_parameters, tensor_parallel_sync_ms
 from zorse_lightning.planner.cost.update import optimizer_step_ms, parameters_updated
 from zorse_lightning.schedule.plan import Plan, StagePlan
@@ -161,8 +161,8 @@ def _working_bytes(ctx: CostContext, plan: Plan, stage: StagePlan) -> float:
 
 
 def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], host: bool = False) -> tuple[float, ...]:
-    """Each of ``ranks``' peak of activations over its own program (:func:`schedule_programs`,
-    which the engine runs): a forward keeps its chunk's activations of one microbatch until that
+    """Each of ``ranks``' peak of activations over its own program (:func:`.recorded_programs.action_orders`:
+    the order the engine runs): a forward keeps its chunk's activations of one microbatch until that
     chunk's backward of it frees them. Interleaved plans only: how many chunk-forwards a rank holds
     at once comes from the recorded play of its schedule, not from a formula (plain plans keep
     :func:`microbatches_in_flight`, which their programs follow and which costs no play). ``host``:
@@ -176,7 +176,7 @@ def rank_activation_bytes(ctx: CostContext, plan: Plan, ranks: tuple[int, ...], 
             )
             for i, s in enumerate(plan.stages)
         ]
-        programs = schedule_programs(ctx, plan)
+        programs = action_orders(ctx, plan)
         return {r: _peak_bytes(programs[r], per_microbatch) for g in plan.rank_groups for r in g.ranks}
 
     stages = tuple((s.ranks, s.microbatches_per_rank, s.layers, s.recompute, s.offload_activations, s.tensor_parallel) for s in plan.stages)
