@@ -206,7 +206,7 @@ def lane_template(schedule: Schedule, groups: int, chunks: int, microbatches: in
         for s in range(groups * chunks)
     )
     template = Plan("template", "template", groups * chunks, groups, microbatches, 1, schedule, stages, interleave=chunks)
-    return template, played_programs(template)[0]
+    return template, rank_programs(template)  # covered and deadlock-free: a lane of plans whose programs are checked
 
 
 def lanes(plan: Plan) -> int | None:

@@ -77,7 +77,7 @@ def pipeline_elements(
     for g in range(groups):
         element = 2 * g  # groups and boundaries alternate
         counts = list(plan.stages[g].microbatches_per_rank)
-        waits = receive[g] if degree == 1 else _waited(ctx, plan, stages, g, [sum(chunk) for chunk in zip(*(receive[s] for s in chunks[g]))])
+        waits = receive[g] if degree == 1 else [sum(chunk) for chunk in zip(*(receive[s] for s in chunks[g]))]
         round_size = group_round(plan, g, round_of)
         limit = {n: _in_flight(plan, g, n, round_size) for n in set(counts)}  # alike GPUs of a wide stage: one count each
         in_flight = [limit[n] for n in counts]
@@ -85,7 +85,11 @@ def pipeline_elements(
         waiting = round_trip_busy_ms(totals[g], counts, in_flight, round_trips[g] if degree > 1 else counted, counted)
         work = busy[element]
         own = work if degree == 1 else _with_short_rounds(plan, stages, g, round_of, trip)
-        busy[element] = max(own, waiting, receiving_busy_ms(totals[g], counts, waits, degree), own + (phases - work) * PHASE_WAIT_SHARE)
+        others = max(own, waiting, own + (phases - work) * PHASE_WAIT_SHARE)
+        receiving = receiving_busy_ms(totals[g], counts, waits, degree)
+        if receiving > others and degree > 1:  # what it waits for of them, only where that could decide
+            receiving = receiving_busy_ms(totals[g], counts, _waited(ctx, plan, stages, g, waits), degree)
+        busy[element] = max(others, receiving)
     return latencies, busy
 
 
