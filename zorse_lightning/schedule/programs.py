@@ -217,6 +217,32 @@ def lanes(plan: Plan) -> int | None:
     return counts.pop() if len(widths) == 1 and len(counts) == 1 else None
 
 
+def lane_programs_of(plan: Plan, microbatches: int, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action, ...], ...]:
+    """``plan``'s programs from its :func:`lane_template`'s: the ``k``-th rank of each group (no TP) runs its
+    group's template program on the ``k``-th share of ``microbatches``."""
+    out: list[tuple[Action, ...]] = [()] * plan.world_size
+    for g, group in enumerate(plan.rank_groups):
+        for k, rank in enumerate(group.ranks):
+            out[rank] = tuple(Action(a.stage, a.kind, a.microbatch + k * microbatches) for a in programs[g])
+    return tuple(out)
+
+
+def lane_batches_of(plan: Plan, microbatches: int, batches: tuple[tuple[P2PBatch, ...], ...]) -> tuple[tuple[P2PBatch, ...], ...]:
+    """``plan``'s batches (:func:`.p2p_batches.rank_batches`) from its :func:`lane_template`'s: each message moved
+    to the lane's ranks and microbatches, an instant's receives kept in the order of their senders' ranks."""
+    ranks = [group.ranks for group in plan.rank_groups]
+    out: list[tuple[P2PBatch, ...]] = [()] * plan.world_size
+    for g, group in enumerate(plan.rank_groups):
+        for k, rank in enumerate(group.ranks):
+            def moved(m: Message, k: int = k) -> Message:
+                return Message(ranks[m.src][k], ranks[m.dst][k], m.kind, m.microbatch + k * microbatches, m.boundary)
+            out[rank] = tuple(
+                P2PBatch(b.before, tuple(map(moved, b.sends)), tuple(sorted(map(moved, b.receives), key=lambda m: m.src)))
+                for b in batches[g]
+            )
+    return tuple(out)
+
+
 def waited_receive_shares(template: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[float, ...]:
     """Per group of a :func:`lane_template`: the share of a rank's received messages that the action right after
     the batch receiving them needs (:mod:`.p2p_batches`: a rank takes each message in the batch of the instant
