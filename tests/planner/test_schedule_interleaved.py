@@ -14,6 +14,7 @@ from zorse_lightning.cluster import DEFAULT_CATALOG, ClusterInventory, Machine
 from zorse_lightning.planner import CostContext
 from zorse_lightning.planner.cost.boundaries import boundary_cost
 from zorse_lightning.planner.cost.evaluate import plan_cost
+from zorse_lightning.planner.cost.recorded_programs import waited_shares
 from zorse_lightning.planner.cost.simulate import simulate
 from zorse_lightning.errors import PlanningError
 from zorse_lightning.planner.interleaving import chunk_sizes, degrees, interleave
@@ -23,7 +24,7 @@ from zorse_lightning.schedule.actions import messages_of
 from zorse_lightning.schedule.p2p_batches import rank_batches
 from zorse_lightning.schedule.programs import (
     ActionKind, build_schedule, lane_template, lanes, microbatch_order, played_programs, rank_programs, shortest_play,
-    waited_receive_shares,
+    waited_receives,
 )
 from testing.synthetic_cluster import four_machines_four_types
 
@@ -252,7 +253,7 @@ def test_lanes_run_their_templates_programs_and_wait_for_the_same_messages(group
     plan = hand_plan(stages, interleave=degree)
     assert lanes(plan) == microbatches and lanes(hand_plan([((0, 1), (3, 5), (0, 1)), ((2, 3), (3, 5), (1, 2))])) is None
     template, orders = lane_template(Schedule.ONE_F_ONE_B, groups, degree, microbatches)
-    shares = waited_receive_shares(template, orders)
+    shares = [waited / received for waited, received in waited_receives(template, orders)]
     programs = played_programs(plan)[0]
     for rank, (program, batches) in enumerate(zip(programs, rank_batches(plan, programs))):
         assert [(a.stage, a.kind) for a in program] == [(a.stage, a.kind) for a in orders[rank // 2]]
@@ -260,7 +261,7 @@ def test_lanes_run_their_templates_programs_and_wait_for_the_same_messages(group
         waited = [needed[m] == batch.before for batch in batches for m in batch.receives]
         assert sum(waited) / len(waited) == pytest.approx(shares[rank // 2])
     plain = lane_template(Schedule.ONE_F_ONE_B, 4, 1, 32)
-    assert waited_receive_shares(*plain) == pytest.approx((1.0, 63 / 64, 63 / 64, 31 / 32))
+    assert waited_receives(*plain) == ((32, 32), (63, 64), (63, 64), (31, 32))
 
 
 def test_a_group_that_takes_its_messages_ahead_is_not_charged_them():
@@ -274,7 +275,7 @@ def test_a_group_that_takes_its_messages_ahead_is_not_charged_them():
     cuts = [0, 1, 3, 9, 11, 12, 14, 20, 22, 23, 25, 31, 32]
     stages = [(groups[k % 4], (64,) * 4, (cuts[k], cuts[k + 1])) for k in range(12)]
     plan = hand_plan(stages, microbatch_size=2, inventory=inventory, interleave=3, sharding=Sharding.OPTIMIZER_GRADIENTS)
-    assert waited_receive_shares(*lane_template(plan.schedule, 4, 3, 64))[3] < 0.05
+    assert waited_shares(CostContext.build(inventory, profile), plan.schedule, 4, 3, 64)[3] < 0.05
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
     assert simulate(ctx, plan).makespan_ms / plan_cost(ctx, plan).iteration_ms == pytest.approx(1.0, abs=0.001)
 
@@ -297,3 +298,14 @@ def test_messages_taken_ahead_still_cost_what_the_actions_between_do_not_cover(c
     plan = hand_plan(stages, inventory=inventory, interleave=2)
     ctx = CostContext.build(inventory, profile, p2p_rules=P2PRules.NCCL)
     assert simulate(ctx, plan).makespan_ms / plan_cost(ctx, plan).iteration_ms == pytest.approx(1.0, abs=0.03)
+
+
+@pytest.mark.parametrize("groups, degree", [(2, 3), (3, 2), (4, 3), (5, 4), (6, 2)])
+def test_waited_shares_past_four_rounds_go_on_round_by_round(groups, degree):
+    """Megatron's order repeats round by round once warm: past four rounds, the third and fourth rounds' counts
+    carried on give the shares a lane template of that count gives, for 2 to 6 groups."""
+    inventory = four_machines_four_types()
+    ctx = CostContext.build(inventory, reference_profile("llama_tiny", [t.name for t in inventory.gpu_types]))
+    for microbatches in (4 * groups + 1, 5 * groups + 2, 7 * groups + groups - 1):
+        exact = [w / r for w, r in waited_receives(*lane_template(Schedule.ONE_F_ONE_B, groups, degree, microbatches))]
+        assert waited_shares(ctx, Schedule.ONE_F_ONE_B, groups, degree, microbatches) == pytest.approx(exact)

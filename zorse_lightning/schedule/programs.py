@@ -243,19 +243,19 @@ def lane_batches_of(plan: Plan, microbatches: int, batches: tuple[tuple[P2PBatch
     return tuple(out)
 
 
-def waited_receive_shares(template: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[float, ...]:
-    """Per group of a :func:`lane_template`: the share of a rank's received messages that the action right after
-    the batch receiving them needs (:mod:`.p2p_batches`: a rank takes each message in the batch of the instant
-    its sender sends it). Under NCCL's rules only those are waited for: a message received a batch or more
-    ahead arrives while the rank runs the actions between. A plain pipeline's ranks need nearly every message
-    at once (all but one of each rank's, the first group's every one); in Megatron's interleaved order the
-    later groups take most of theirs ahead (four groups x3, 32 microbatches: 85, 86, 56 and 9 %)."""
-    shares = []
+def waited_receives(template: Plan, programs: tuple[tuple[Action, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """Per group of a :func:`lane_template`: how many of a rank's received messages the action right after the
+    batch receiving them needs (:mod:`.p2p_batches`: a rank takes each message in the batch of the instant its
+    sender sends it), and how many it receives. Under NCCL's rules only those are waited for: a message received
+    a batch or more ahead arrives while the rank runs the actions between. A plain pipeline's ranks need nearly
+    every message at once (all but one of each rank's, the first group's every one); in Megatron's interleaved
+    order the later groups take most of theirs ahead (four groups x3, 32 microbatches: 85, 86, 56 and 9 %)."""
+    counts = []
     for rank, (program, batches) in enumerate(zip(programs, rank_batches(template, programs))):
         needed = {m: index for index, action in enumerate(program) for m in messages_of(template, rank, action)[0]}
         received = [needed[m] == batch.before for batch in batches for m in batch.receives]
-        shares.append(sum(received) / max(len(received), 1))
-    return tuple(shares)
+        counts.append((sum(received), len(received)))
+    return tuple(counts)
 
 
 def _one_rank_per_replica(plan: Plan) -> Plan:

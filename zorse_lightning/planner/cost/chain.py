@@ -10,10 +10,10 @@ from zorse_lightning.capabilities import P2PRules, Schedule
 from zorse_lightning.planner.cost.boundaries import BoundaryCost, receive_ms_per_microbatch, shared_link_ms
 from zorse_lightning.planner.cost.compute import receiving_busy_ms, round_trip_busy_ms, stage_busy_ms, stage_latency_ms
 from zorse_lightning.planner.cost.memory import microbatches_in_flight
-from zorse_lightning.planner.cost.recorded_programs import lane_programs
+from zorse_lightning.planner.cost.recorded_programs import waited_shares
 from zorse_lightning.schedule.plan import Plan
 from zorse_lightning.schedule.one_f_one_b import group_round, interleaving_rounds
-from zorse_lightning.schedule.programs import one_f_one_b_limit, waited_receive_shares
+from zorse_lightning.schedule.programs import one_f_one_b_limit
 
 if TYPE_CHECKING:
     from zorse_lightning.planner.cost.context import CostContext, StageCost
@@ -96,11 +96,11 @@ def pipeline_elements(
 def _waited(ctx: CostContext, plan: Plan, stages: tuple[StageCost, ...], group: int, waits: list[float]) -> list[float]:
     """Interleaved: of each rank of ``group``'s transfers per microbatch (``waits``, its chunks' summed), what it
     waits for. Under gloo's rules, every one. Under NCCL's, a message the next action needs as its batch receives
-    it whole (:func:`~zorse_lightning.schedule.programs.waited_receive_shares`, of the lane template of its groups
-    and count), and one received an action or more ahead only for what of it that action, at least the rank's
-    shortest chunk-forward, does not cover: the later groups of Megatron's order take most of their messages
-    ahead. Four machines of four GPUs, GPT 6.7B x3: its last group was charged 231 ms a step it never waits (the
-    closed form 1.7 % over the play, 0.0 % now)."""
+    it whole (:func:`.recorded_programs.waited_shares` of lanes of its groups and count), and one received an
+    action or more ahead only for what of it that action, at least the rank's shortest chunk-forward, does not
+    cover: the later groups of Megatron's order take most of their messages ahead. Four machines of four GPUs,
+    GPT 6.7B x3: its last group was charged 231 ms a step it never waits (the closed form 1.7 % over the play,
+    0.0 % now)."""
     if ctx.p2p_rules is not P2PRules.NCCL:
         return waits
     out = []
@@ -108,8 +108,7 @@ def _waited(ctx: CostContext, plan: Plan, stages: tuple[StageCost, ...], group: 
         if n == 0:
             out.append(ms)
             continue
-        share = ctx.memo(("waited receives", plan.schedule, plan.num_groups, plan.interleave, n),
-                         lambda n=n: waited_receive_shares(*lane_programs(ctx, plan.schedule, plan.num_groups, plan.interleave, n)))[group]
+        share = waited_shares(ctx, plan.schedule, plan.num_groups, plan.interleave, n)[group]
         covered = 2 * plan.interleave * min(stages[s].times[k].forward_ms for s in plan.stages_of_group(group))
         out.append(share * ms + (1 - share) * max(ms - covered, 0.0))
     return out
