@@ -75,8 +75,8 @@ def waited_shares(ctx: CostContext, schedule: Schedule, groups: int, chunks: int
     """Per group of lanes of ``groups`` x ``chunks`` running ``microbatches`` each: the share of a rank's received
     messages it waits for under NCCL's rules (:func:`..schedule.programs.waited_receives`). Past four rounds of
     ``groups`` microbatches, the counts of the third and fourth rounds (at the same remainder) go on a round at a
-    time: Megatron's order repeats round by round once warm (exact for 2-6 groups, up to 5 % of a share off at 8
-    and 4 chunks), and a 1024-GPU search met counts up to 128, whose templates took 9 % of its time."""
+    time: Megatron's order repeats round by round once warm (exact for 2-6 groups at 1-4 chunks; at 8 groups
+    its warm-up is longer, and shares came up to 0.11 off), and a 1024-GPU search met counts up to 128, whose templates took 9 % of its time."""
     def counts(n: int) -> tuple[tuple[int, int], ...]:
         return ctx.memo(("waited receives", schedule, groups, chunks, n), lambda: waited_receives(*lane_programs(ctx, schedule, groups, chunks, n)))
 
