@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 from zorse_lightning.capabilities import P2PRules
@@ -77,7 +78,7 @@ def simulate(ctx: CostContext, plan: Plan) -> Timeline:
             play = _Play(ctx, plan, cost, schedule_programs(ctx, plan))
         play.run()
         events = play.events + _tail_events(plan, cost, play.free_at, play.drained_at)
-        ctx._timelines[key] = Timeline(tuple(sorted(events, key=lambda e: (e.start_ms, e.rank))), cost.iteration_ms)
+        ctx._timelines[key] = Timeline(tuple(sorted(events, key=attrgetter("start_ms", "rank"))), cost.iteration_ms)
     return ctx._timelines[key]
 
 

@@ -48,11 +48,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zorse_lightning.errors import PlanningError
-from zorse_lightning.schedule.actions import Action, ActionKind, Message, messages_of
+from zorse_lightning.schedule.actions import Action, ActionKind, Message
 from zorse_lightning.planner.cost.compute import MicrobatchTimes
 from zorse_lightning.planner.cost.context import CostContext
 from zorse_lightning.planner.cost.evaluate import PlanCost
-from zorse_lightning.planner.cost.events import EventKind, Route, TimelineEvent, message_route
+from zorse_lightning.planner.cost.events import EventKind, TimelineEvent, message_route
 from zorse_lightning.planner.cost.phases import CollectiveBackend
 from zorse_lightning.schedule.p2p_batches import P2PBatch
 from zorse_lightning.schedule.plan import Plan
@@ -113,7 +113,7 @@ class StreamPlay:
     """Messages whose two batches run, by when the later of the two started (then in the order found)."""
     _found: itertools.count = field(default_factory=itertools.count)
     _link_free_ms: dict[tuple, float] = field(default_factory=dict)
-    _routes: dict[tuple[int, int, int], Route] = field(default_factory=dict)
+    _paths: dict[tuple[int, int, int], tuple[tuple[tuple, ...], float]] = field(default_factory=dict)
     _times: dict[tuple[int, int], MicrobatchTimes] = field(init=False)
     """One microbatch's forward and backward on each (working rank, stage it runs)."""
     _waiting_ms: dict[int, float] = field(default_factory=dict)
@@ -132,10 +132,15 @@ class StreamPlay:
         }
 
     def _gates(self, rank: int, program: Sequence[Action]) -> list[int]:
-        gates = []
-        for action in program:
-            receives = messages_of(self.plan, rank, action)[0]
-            gates.append(max((self._receiver[m][1] for m in receives), default=-1))
+        """Per action of ``program``: the last of the rank's batches that receives a message for it (-1: none).
+        Read from the batches, each receive's action found by its stage, kind and microbatch: asking every action
+        for its messages (:func:`~..schedule.actions.messages_of`) was a seventh of a play."""
+        position = {action: index for index, action in enumerate(program)}
+        gates = [-1] * len(program)
+        for index, batch in enumerate(self.batches[rank]):
+            for m in batch.receives:
+                stage = m.boundary + 1 if m.kind is ActionKind.FORWARD else m.boundary
+                gates[position[Action(stage, m.kind, m.microbatch)]] = index
         return gates
 
     def run(self) -> None:
@@ -164,26 +169,32 @@ class StreamPlay:
         """Post the rank's due batches, start and complete what its stream can, run the actions whose
         receives have completed; returns the ranks this may let proceed (receivers of posted headers)."""
         stream, program = self._streams[rank], self.programs[rank]
+        batches, posted, completed, gates = stream.batches, stream.posted_ms, stream.completed_ms, stream.gates
         woken: set[int] = set()
         while True:
-            posting = len(stream.posted_ms)
-            if posting < len(stream.batches) and stream.batches[posting].before <= stream.done:
+            posting = len(posted)
+            if posting < len(batches) and batches[posting].before <= stream.done:
                 if len(stream.begun_ms) == posting:
                     stream.begun_ms.append(stream.host_ms)
-                    woken |= {m.dst for m in stream.batches[posting].sends if m.kind is ActionKind.FORWARD}
-                posted_ms = self._posting_ms(rank, stream.batches[posting])
+                    woken.update(m.dst for m in batches[posting].sends if m.kind is ActionKind.FORWARD)
+                posted_ms = self._posting_ms(rank, batches[posting])
                 if posted_ms is None:
                     break
                 stream.host_ms = posted_ms
-                stream.posted_ms.append(posted_ms)
-                self._start_batches(rank)
+                posted.append(posted_ms)
+                self._start_batches(stream)
                 continue
             if stream.done < len(program):
-                gate = stream.gates[stream.done]
-                if gate >= len(stream.completed_ms):
+                gate = gates[stream.done]
+                if gate >= len(completed):
                     break
-                self._waiting_ms[rank] = max(stream.host_ms, stream.completed_ms[gate]) if gate >= 0 else stream.host_ms
-                group = self.plan.stages[program[stream.done].stage].tensor_group(rank)
+                ready_ms = max(stream.host_ms, completed[gate]) if gate >= 0 else stream.host_ms
+                stage = self.plan.stages[program[stream.done].stage]
+                if stage.tensor_parallel == 1:
+                    self._run_action(rank, ready_ms)
+                    continue
+                self._waiting_ms[rank] = ready_ms
+                group = stage.tensor_group(rank)
                 if any(peer not in self._waiting_ms for peer in group):
                     break
                 start_ms = max(self._waiting_ms.pop(peer) for peer in group)
@@ -201,10 +212,10 @@ class StreamPlay:
         for message in batch.receives:
             if message.kind is ActionKind.FORWARD:
                 sender, index = self._sender[message]
-                if index >= len(self._streams[sender].begun_ms):
+                begun = self._streams[sender].begun_ms
+                if index >= len(begun):
                     return None
-                header_ms = self.ctx.links.header_us(message.src, message.dst) / 1000.0
-                posted_ms = max(posted_ms, self._streams[sender].begun_ms[index] + header_ms)
+                posted_ms = max(posted_ms, begun[index] + self.ctx.links.header_us(message.src, message.dst) / 1000.0)
         return posted_ms
 
     def _run_action(self, rank: int, start_ms: float) -> None:
@@ -218,42 +229,55 @@ class StreamPlay:
         stream.host_ms = stream.ended_ms = end_ms
         stream.done += 1
 
-    def _start_batches(self, rank: int) -> None:
-        """Start the rank's next batch where it is posted and the one before it completed; each of its
+    def _start_batches(self, stream: _Stream) -> None:
+        """Start the stream's next batch where it is posted and the one before it completed; each of its
         messages whose other end runs already is ready to move."""
-        stream = self._streams[rank]
-        index = len(stream.started_ms)
-        if index == len(stream.completed_ms) and index < len(stream.posted_ms):
-            started_ms = max(stream.posted_ms[index], stream.completed_ms[-1] if stream.completed_ms else 0.0)
+        index, completed = len(stream.started_ms), stream.completed_ms
+        if index == len(completed) and index < len(stream.posted_ms):
+            started_ms = max(stream.posted_ms[index], completed[-1] if completed else 0.0)
             stream.started_ms.append(started_ms)
             batch = stream.batches[index]
             stream.unmoved.append(len(batch.sends) + len(batch.receives))
             stream.moved_ms.append(started_ms)
-            for message in (*batch.sends, *batch.receives):
-                peer, peer_index = self._receiver[message] if message.src == rank else self._sender[message]
-                peer_started = self._streams[peer].started_ms
-                if peer_index < len(peer_started):
-                    ready_ms = max(started_ms, peer_started[peer_index])
-                    heapq.heappush(self._ready, (ready_ms, next(self._found), message))
+            for peers, messages in ((self._receiver, batch.sends), (self._sender, batch.receives)):
+                for message in messages:
+                    peer, peer_index = peers[message]
+                    peer_started = self._streams[peer].started_ms
+                    if peer_index < len(peer_started):
+                        ready_ms = max(started_ms, peer_started[peer_index])
+                        heapq.heappush(self._ready, (ready_ms, next(self._found), message))
 
     def _move(self, message: Message, ready_ms: float) -> set[int]:
-        """Move ``message`` once its link is free; complete the batches it was the last of; returns its ranks."""
-        route = self._route(message)
-        held = (route.link, *self._connection(message))
-        start_ms = max(ready_ms, *(self._link_free_ms.get(key, 0.0) for key in held))
-        end_ms = start_ms + route.transfer_ms
+        """Move ``message`` once its link (and connection) is free; complete the batches it was the last of;
+        returns its ranks."""
+        held, transfer_ms = self._path(message)
+        free = self._link_free_ms
+        start_ms = ready_ms
         for key in held:
-            self._link_free_ms[key] = end_ms
-        for rank, kind in ((message.src, EventKind.SEND), (message.dst, EventKind.RECV)):
-            self.events.append(TimelineEvent(rank, kind, message.microbatch, start_ms, end_ms, message.boundary))
+            start_ms = max(start_ms, free.get(key, 0.0))
+        end_ms = start_ms + transfer_ms
+        for key in held:
+            free[key] = end_ms
+        self.events.append(TimelineEvent(message.src, EventKind.SEND, message.microbatch, start_ms, end_ms, message.boundary))
+        self.events.append(TimelineEvent(message.dst, EventKind.RECV, message.microbatch, start_ms, end_ms, message.boundary))
         for rank, index in (self._sender[message], self._receiver[message]):
             stream = self._streams[rank]
             stream.unmoved[index] -= 1
             stream.moved_ms[index] = max(stream.moved_ms[index], end_ms)
             if stream.unmoved[index] == 0:  # the running batch: no other has started
                 stream.completed_ms.append(stream.moved_ms[index])
-                self._start_batches(rank)
+                self._start_batches(stream)
         return {message.src, message.dst}
+
+    def _path(self, message: Message) -> tuple[tuple[tuple, ...], float]:
+        """What ``message`` holds while it moves (its link, and its connection: :meth:`_connection`) and how long:
+        :func:`.events.message_route` without the header, which posting waits for (:meth:`_posting_ms`); once
+        per sender, receiver and boundary."""
+        key = (message.src, message.dst, message.boundary)
+        if key not in self._paths:
+            route = message_route(self.ctx, self.plan, message, header=False)
+            self._paths[key] = ((route.link, *self._connection(message)), route.transfer_ms)
+        return self._paths[key]
 
     def _connection(self, message: Message) -> tuple[tuple, ...]:
         """The connection of ``message``'s two ranks where the transport has one for both directions
@@ -261,11 +285,3 @@ class StreamPlay:
         if self.ctx.links.backend is CollectiveBackend.GLOO:
             return (("pair", min(message.src, message.dst), max(message.src, message.dst)),)
         return ()
-
-    def _route(self, message: Message) -> Route:
-        """:func:`.events.message_route` without the header, which posting waits for (:meth:`_posting_ms`)."""
-        key = (message.src, message.dst, message.boundary)
-        if key not in self._routes:
-            self._routes[key] = message_route(self.ctx, self.plan, message, header=False)
-        return self._routes[key]
-
