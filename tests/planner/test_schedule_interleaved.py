@@ -139,12 +139,14 @@ def test_random_interleaved_plans_of_uneven_widths_and_shares_never_deadlock(see
 def test_no_play_is_shorter_than_shortest_play_and_the_programs_are_the_shorter_play(seed):
     """shortest_play bounds both 1F1B plays of random interleaved plans (uneven widths and shares), and the
     programs kept are the shorter play (the strict one on a tie) whether or not the relaxed play was skipped
-    for the strict one meeting the bound."""
+    for the strict one meeting the bound, or stopped once as long as the strict one (then it was longer)."""
     plan = replace(_random_interleaved(seed), schedule=Schedule.ONE_F_ONE_B)
     order = microbatch_order(plan)
     plays = [one_f_one_b_programs(plan, order, strict) for strict in (True, False)]
     assert all(steps >= shortest_play(plan) for _, steps in plays)
     assert rank_programs(plan) == min(plays, key=lambda play: play[1])[0]
+    stopped = one_f_one_b_programs(plan, order, False, within=plays[0][1])
+    assert stopped == plays[1] if stopped is not None else plays[1][1] > plays[0][1]
 
 
 @pytest.mark.parametrize("microbatches", [4, 8, 12])

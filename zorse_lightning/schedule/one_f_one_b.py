@@ -120,8 +120,8 @@ def interleaving_rounds(plan: Plan) -> dict[int, int]:
 
 
 def one_f_one_b_programs(
-    plan: Plan, order: tuple[int, ...], strict: bool
-) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    plan: Plan, order: tuple[int, ...], strict: bool, within: int | None = None
+) -> tuple[tuple[tuple[Action, ...], ...], int] | None:
     """1F1B programs recorded from a play of the whole pipeline in balanced time.
 
     Writing each rank's program on its own (warm-up forwards, then alternate)
@@ -154,7 +154,10 @@ def one_f_one_b_programs(
     its first chunk and stalls the later ones (``4 x 16`` microbatches at ``V = 4``: 169
     steps for 134). :func:`~.programs.rank_programs` keeps the shorter of the two plays.
 
-    Returns the programs and the play's length, in the units of :func:`~.actions.balanced_durations`.
+    Returns the programs and the play's length, in the units of :func:`~.actions.balanced_durations`; None
+    once the play reaches ``within`` units with actions left (it cannot be shorter than a play that long:
+    :func:`~.programs.rank_programs` stops the second play there, half of it or more where the first is
+    shorter).
     """
     last_stage = len(plan.stages) - 1
     durations = balanced_durations(action_counts(plan))
@@ -181,6 +184,8 @@ def one_f_one_b_programs(
         return backward
 
     while free or running:
+        if within is not None and now >= within:
+            return None
         chosen = {rank: choose(state[rank], relaxed=False) for rank in free}
         if not running and all(action is None for action in chosen.values()):
             chosen = {rank: choose(state[rank], relaxed=True) for rank in free}

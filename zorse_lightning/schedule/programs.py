@@ -88,10 +88,11 @@ def rank_programs(plan: Plan, forward_only: bool = False) -> tuple[tuple[Action,
     if not forward_only and plan.schedule is Schedule.ONE_F_ONE_B:
         if plan.interleave == 1:
             return one_f_one_b_programs(plan, order, strict=False)[0]
-        strict = one_f_one_b_programs(plan, order, strict=True)
-        if strict[1] == shortest_play(plan):  # no play is shorter: the relaxed one would lose the tie anyway
-            return strict[0]
-        return min((strict, one_f_one_b_programs(plan, order, strict=False)), key=lambda r: r[1])[0]
+        programs, length = one_f_one_b_programs(plan, order, strict=True)
+        if length == shortest_play(plan):  # no play is shorter: the relaxed one would lose the tie anyway
+            return programs
+        relaxed = one_f_one_b_programs(plan, order, strict=False, within=length)  # None: as long at least
+        return relaxed[0] if relaxed is not None and relaxed[1] < length else programs
     programs: list[tuple[Action, ...]] = [()] * plan.world_size
     for group, stage in enumerate(plan.rank_groups):
         chunks = plan.stages_of_group(group)
