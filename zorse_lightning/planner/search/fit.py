@@ -216,7 +216,8 @@ def fit(
     (given the plan, its cost and overruns) and ``recomputed``: how this kind of plan moves layers and
     recomputes."""
     fitting: list[Plan] = []
-    for attempt in (plan, recomputed(plan) if plan is not None else None):
+    for recomputing in (False, True):
+        attempt = plan if not recomputing else recomputed(plan) if plan is not None else None  # recomputed only once needed
         chain = _priced(search, attempt)
         if chain is not None and chain[2]:
             chain = _priced(search, _sharded(search, chain[0])) or chain
