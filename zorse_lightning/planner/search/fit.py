@@ -217,7 +217,7 @@ def fit(
     recomputes."""
     fitting: list[Plan] = []
     for recomputing in (False, True):
-        attempt = plan if not recomputing else recomputed(plan) if plan is not None else None  # recomputed only once needed
+        attempt = (recomputed(plan) if plan is not None else None) if recomputing else plan  # recomputed only once needed
         chain = _priced(search, attempt)
         if chain is not None and chain[2]:
             chain = _priced(search, _sharded(search, chain[0])) or chain
