@@ -26,7 +26,7 @@ class EventKind(str, Enum):
 
 class TimelineEvent(NamedTuple):
     """One span of a rank's iteration. A named tuple, as :class:`~zorse_lightning.schedule.actions.Action`: a play
-    makes three per message and one per action (120,000 messages for some 512-GPU plans), and making frozen
+    makes two per message and one per action (120,000 messages for some 512-GPU plans), and making frozen
     dataclasses was 9 % of a play's instructions."""
 
     rank: int
