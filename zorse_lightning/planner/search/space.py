@@ -75,6 +75,9 @@ class Candidate:
     :func:`.fit.interleaved_best_case_ms`). Its key is this times the floor (:meth:`.loop._Loop._refined`)."""
     tensor_parallel: tuple[int, ...] = ()
     """Each stage's TP degree, its ranks listed replica by replica (:meth:`Search.split_over`); empty: none."""
+    planned: bool = False
+    """A baseline the planner plans on its ranks (the fastest type alone): the search's own candidates on those
+    ranks are the ones it would propose, so what the search learns of them bounds it (:meth:`.loop._Loop._refined`)."""
 
     @property
     def key(self) -> tuple | None:
@@ -172,7 +175,7 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
     :meth:`.loop._Loop._refined`), and the ``baselines``: each with the ranks it may use and whether
     the planner plans it (the fastest type alone), bounded by any layout of those ranks or, where the
     planner plans it, by the search's own layouts of exactly those ranks (a sub-cluster's planner proposes
-    the same)."""
+    the same) and then by what the search learns of them (:attr:`Candidate.planned`)."""
     kind = Kind.PROGRAM if search.options.layer_counts is not None else Kind.SPLIT
     for layout in search.layouts:
         for m in search.sizes:
@@ -185,7 +188,7 @@ def first_candidates(search: Search, baselines: Iterable[tuple[tuple[int, ...], 
     for ranks, build, searched in baselines:
         bound = min(any_layout_lower_bound_ms(search.ctx, ranks, m, search.global_batch_size) for m in search.sizes)
         same = [search.bound_ms(l, (), m) for l in search.layouts if searched and sorted(r for s in l for r in s) == sorted(ranks) for m in search.sizes]
-        yield Candidate(max(bound, min(same, default=bound)), Kind.BASELINE, (ranks,), baseline=build)
+        yield Candidate(max(bound, min(same, default=bound)), Kind.BASELINE, (ranks,), baseline=build, planned=searched)
 
 
 def follow_ups(search: Search, found: Candidate, plan: Plan | None, programs_left: bool) -> Iterator[Candidate]:
