@@ -131,7 +131,14 @@ class _Loop:
         self.unlimited = False
         self.refusals: dict[tuple, list[str]] = {}
         """Why each plain plan's interleavings gave nothing, by its structure."""
-        for candidate in first_candidates(search, [] if search.pinned else self._baselines()):
+        self.planned_ranks: dict[frozenset, list[Candidate]] = {}
+        """Per planned baseline's ranks, the search's own candidates on exactly those ranks (:meth:`_learnt_ms`)."""
+        self.taken: dict[int, bool] = {}
+        """``id`` of each candidate of :attr:`planned_ranks` (which holds them: no id is reused), whether it was
+        taken (its plans offered, what it opens queued)."""
+        candidates = list(first_candidates(search, [] if search.pinned else self._baselines()))
+        self.planned_ranks.update((frozenset(c.layout[0]), []) for c in candidates if c.planned)
+        for candidate in candidates:
             self._push(candidate)
 
     def _baselines(self):
@@ -151,6 +158,11 @@ class _Loop:
         if key is None or key not in self.seen:
             self.seen.add(key)
             heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
+            if candidate.layout and self.planned_ranks and not candidate.planned:
+                mine = self.planned_ranks.get(frozenset(r for stage in candidate.layout for r in stage))
+                if mine is not None:
+                    mine.append(candidate)
+                    self.taken[id(candidate)] = False
 
     def run(self) -> None:
         """Take candidates until the next is past the plan held. Integer programs beyond ``max_programs`` wait
@@ -185,6 +197,8 @@ class _Loop:
             elif self.choice.past(bound, _margin(candidate, world)):
                 self.parked.append(candidate)
             else:
+                if id(candidate) in self.taken:
+                    self.taken[id(candidate)] = True
                 plans = self._plans(candidate)
                 for plan in plans or ():
                     self._offered(candidate, plan)
@@ -241,17 +255,15 @@ class _Loop:
 
     def _learnt_ms(self, ranks: tuple[int, ...]) -> float:
         """The least a plan of the search's own candidates on exactly ``ranks`` may take, as far as the search
-        knows: the key of each queued or parked one, and each plan found there (simulated, or its closed form times
-        its kind's floor). The planner on those ranks alone proposes the same candidates: the fastest type alone,
+        knows: the key of each not yet taken, and each plan found there (simulated, or its closed form times its
+        kind's floor). The planner on those ranks alone proposes the same candidates: the fastest type alone,
         planned by a whole search of its own, was 9 % of planning mix32 Llama 7B at global batch 128 (and lost to the
         plan held), 16 % of a 1024-GPU search."""
-        mine = sorted(ranks)
-        on = lambda layout: sorted(r for stage in layout for r in stage) == mine  # noqa: E731
+        mine = frozenset(ranks)
         floor = self.choice.floor
-        keys = [key for key, _, q in self.queue if not q.planned and on(q.layout)]
-        keys += [self._refined(q, False) for q in self.parked if not q.planned and on(q.layout)]
+        keys = [self._refined(q, False) for q in self.planned_ranks.get(mine, ()) if not self.taken[id(q)]]
         keys += [p.predicted.iteration_ms * (1.0 if simulated(p) else floor(p.interleave > 1))
-                 for p in self.choice.pool if on(tuple(s.ranks for s in p.rank_groups))]
+                 for p in self.choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and frozenset(r for s in p.rank_groups for r in s.ranks) == mine]
         return min(keys, default=math.inf)
 
     def _estimate_ms(self, kind: Kind, draft: Plan) -> float:
