@@ -31,21 +31,20 @@ from zorse_lightning.planner.cost.recorded_programs import programs_recorded
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning import capabilities
 from zorse_lightning.planner.options import PlannerOptions
-from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, handicap, margin, price, simulable, simulated, twin_key, work_of
+from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, price, simulable, simulated, twin_key, work_of
 from zorse_lightning.planner.search.diagnose import infeasible_error
 from zorse_lightning.planner.search.fit import (
     gathered_draft, gathered_fit, heuristic_split, interleaved_best_case_ms, interleaved_draft, interleaved_fit, program_split, split_draft,
     tensor_parallel_best_case_ms,
 )
-from zorse_lightning.planner.search.heuristic import HEURISTIC
-from zorse_lightning.planner.search.ilp import SOLVER_NAME
 from zorse_lightning.planner.search.program_log import ProgramLog, ProgramRun
-from zorse_lightning.planner.search.notes import plan_notes
+from zorse_lightning.planner.search.same_ranks import SameRanks
+from zorse_lightning.planner.search.notes import plan_notes, refusal, solver_record
 from zorse_lightning.planner.search.space import (
     WORK_PER_GPU, Candidate, Kind, Search, first_candidates, follow_ups, held_program, other_orders, structure,
 )
 from zorse_lightning.profiling.profile import ModelProfile
-from zorse_lightning.schedule.plan import Plan, SolverRecord
+from zorse_lightning.schedule.plan import Plan
 
 
 def make_plan(
@@ -94,13 +93,6 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _margin(candidate: Candidate, world_size: int) -> float:
-    """The handicap of every plan ``candidate`` can give (:func:`.choice.handicap`)."""
-    if candidate.kind is Kind.SIMULATED:
-        return handicap(candidate.plan)
-    return margin(sum(map(len, candidate.layout)) < world_size, candidate.interleave > 1, bool(candidate.tensor_parallel))
-
-
 class _Loop:
     """One planning call's queue, choice and counts."""
 
@@ -131,13 +123,8 @@ class _Loop:
         self.unlimited = False
         self.refusals: dict[tuple, list[str]] = {}
         """Why each plain plan's interleavings gave nothing, by its structure."""
-        self.planned_ranks: dict[frozenset, list[Candidate]] = {}
-        """Per planned baseline's ranks, the search's own candidates on exactly those ranks (:meth:`_learnt_ms`)."""
-        self.taken: dict[int, bool] = {}
-        """``id`` of each candidate of :attr:`planned_ranks` (which holds them: no id is reused), whether it was
-        taken (its plans offered, what it opens queued)."""
         candidates = list(first_candidates(search, [] if search.pinned else self._baselines()))
-        self.planned_ranks.update((frozenset(c.layout[0]), []) for c in candidates if c.planned)
+        self.same_ranks = SameRanks(candidates)
         for candidate in candidates:
             self._push(candidate)
 
@@ -158,11 +145,7 @@ class _Loop:
         if key is None or key not in self.seen:
             self.seen.add(key)
             heapq.heappush(self.queue, (candidate.bound_ms, next(self.order), candidate))
-            if candidate.layout and self.planned_ranks and not candidate.planned:
-                mine = self.planned_ranks.get(frozenset(r for stage in candidate.layout for r in stage))
-                if mine is not None:
-                    mine.append(candidate)
-                    self.taken[id(candidate)] = False
+            self.same_ranks.queued(candidate)
 
     def run(self) -> None:
         """Take candidates until the next is past the plan held. Integer programs beyond ``max_programs`` wait
@@ -194,11 +177,10 @@ class _Loop:
             refined = self._refined(candidate)
             if refined > bound:  # what the search learnt since it was queued bounds it tighter: queued again
                 heapq.heappush(self.queue, (refined, next(self.order), candidate))
-            elif self.choice.past(bound, _margin(candidate, world)):
+            elif self.choice.past(bound, candidate.handicap(world)):
                 self.parked.append(candidate)
             else:
-                if id(candidate) in self.taken:
-                    self.taken[id(candidate)] = True
+                self.same_ranks.taken(candidate)
                 plans = self._plans(candidate)
                 for plan in plans or ():
                     self._offered(candidate, plan)
@@ -237,7 +219,8 @@ class _Loop:
         if c.kind is Kind.SIMULATED:
             return self.choice.simulation_bound_ms(c.plan)
         if c.planned:  # after the search's own candidates of its ranks at the same key
-            return max(c.bound_ms, math.nextafter(self._learnt_ms(c.layout[0]), math.inf))
+            learnt_ms = self.same_ranks.least_ms(c.layout[0], lambda q: self._refined(q, False), self.choice)
+            return max(c.bound_ms, math.nextafter(learnt_ms, math.inf))
         if c.draft is None and not c.tensor_parallel and c.kind is not Kind.INTERLEAVED:
             return c.bound_ms  # nothing learnt bounds it before its draft (most of the queue, every time a floor falls)
         floor = self.choice.floor(c.kind is Kind.INTERLEAVED or None)
@@ -252,19 +235,6 @@ class _Loop:
         if c.kind is Kind.INTERLEAVED:
             return max(c.bound_ms, self._best_case_ms(c.plan, c.interleave) * floor)
         return c.bound_ms
-
-    def _learnt_ms(self, ranks: tuple[int, ...]) -> float:
-        """The least a plan of the search's own candidates on exactly ``ranks`` may take, as far as the search
-        knows: the key of each not yet taken, and each plan found there (simulated, or its closed form times its
-        kind's floor). The planner on those ranks alone proposes the same candidates: the fastest type alone,
-        planned by a whole search of its own, was 9 % of planning mix32 Llama 7B at global batch 128 (and lost to the
-        plan held), 16 % of a 1024-GPU search."""
-        mine = frozenset(ranks)
-        floor = self.choice.floor
-        keys = [self._refined(q, False) for q in self.planned_ranks.get(mine, ()) if not self.taken[id(q)]]
-        keys += [p.predicted.iteration_ms * (1.0 if simulated(p) else floor(p.interleave > 1))
-                 for p in self.choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and frozenset(r for s in p.rank_groups for r in s.ranks) == mine]
-        return min(keys, default=math.inf)
 
     def _estimate_ms(self, kind: Kind, draft: Plan) -> float:
         """:attr:`.space.Candidate.estimate_ms` of a candidate of ``kind`` drafted as ``draft``."""
@@ -326,7 +296,7 @@ class _Loop:
         Llama 7B, global batch 128: 77 fits instead of 169), their interleavings start from the draft."""
         if self.choice.chosen is None or not simulated(self.choice.chosen):
             return False
-        return c.draft.predicted.iteration_ms * self.choice.floor(False) >= self.choice.threshold_ms(_margin(c, self.search.ctx.inventory.world_size))
+        return c.draft.predicted.iteration_ms * self.choice.floor(False) >= self.choice.threshold_ms(c.handicap(self.search.ctx.inventory.world_size))
 
     def _draft(self, c: Candidate) -> Plan | None:
         """``c``'s plan before it is made to fit, priced in the closed form."""
@@ -340,9 +310,7 @@ class _Loop:
 
     def _refused(self, c: Candidate, ms: float, how: str = "") -> None:
         """Note why interleaving ``c``'s plain plan gave nothing (:func:`.notes.plan_notes`)."""
-        base_ms = self._base(c.plan).iteration_ms
-        crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
-        self.refusals.setdefault(structure(c.plan), []).append(f"x{c.interleave} {how}{ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}")
+        self.refusals.setdefault(structure(c.plan), []).append(refusal(c.interleave, ms, self._base(c.plan).iteration_ms, how))
 
     def _split_draft(self, layout, m: int, degrees: tuple[int, ...]) -> Plan | None:
         """The heuristic split of ``layout`` at size ``m`` (TP ``degrees``) in the closed form, made once: a
@@ -417,9 +385,7 @@ class _Loop:
         best = choice.chosen
         if best is None:
             raise infeasible_error(search.ctx, list(search.layouts), list(search.sizes), search.schedule, search.global_batch_size, search.options)
-        found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
-        summary = f"{found_by}; {self.solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated"
-        record = SolverRecord(SOLVER_NAME, summary, best.solver.objective_ms)
+        record = solver_record(best, self.solves, choice)
         for c in [*self.parked, *(q for _, _, q in self.queue)]:
             if c.kind is Kind.INTERLEAVED and c.draft is None:  # not drafted: its estimate was past the plan held
                 self._refused(c, self._best_case_ms(c.plan, c.interleave), "at least ")

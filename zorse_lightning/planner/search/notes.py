@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from zorse_lightning.planner.search.choice import INTERLEAVE_MARGIN, Choice, simulable
 from zorse_lightning.planner.search.space import Search, structure
-from zorse_lightning.schedule.plan import Plan
+from zorse_lightning.planner.search.heuristic import HEURISTIC
+from zorse_lightning.planner.search.ilp import SOLVER_NAME
+from zorse_lightning.schedule.plan import Plan, SolverRecord
 
 
 def plan_notes(search: Search, choice: Choice, refusals: dict[tuple, list[str]], best: Plan) -> list[str]:
@@ -89,3 +91,17 @@ def _prediction_note(choice: Choice, plan: Plan) -> str:
         f"predicted by the simulation of the engine's programs: {ms:.1f} ms; the closed form says {closed:.1f} ms "
         f"({closed / ms - 1:+.1%}); {simulated}"
     )
+
+
+def refusal(degree: int, ms: float, base_ms: float, how: str = "") -> str:
+    """Why an interleaving at ``degree`` gave nothing: its closed form ``ms`` (``how``: "at least ", where undrafted)
+    against its plain plan's ``base_ms``."""
+    crossing = ": its activations cross every chunk boundary" if ms > base_ms else ""
+    return f"x{degree} {how}{ms:.1f} against {base_ms:.1f} ms in the closed form{crossing}"
+
+
+def solver_record(best: Plan, solves: int, choice: Choice) -> SolverRecord:
+    """The record of how the search found ``best``: by the integer program or the heuristic, with its counts."""
+    found_by = best.solver.status if best.solver.name != HEURISTIC.name else "no program beat the heuristic split"
+    summary = f"{found_by}; {solves} programs solved; {choice.simulated} of {len(choice.pool)} plans simulated"
+    return SolverRecord(SOLVER_NAME, summary, best.solver.objective_ms)

@@ -24,6 +24,7 @@ from zorse_lightning.planner.cost.tensor_parallel import tensor_parallel_degrees
 from zorse_lightning.planner.interleaving import degrees
 from zorse_lightning.planner.options import PlannerOptions
 from zorse_lightning.planner.search.bound import any_layout_lower_bound_ms, lower_bound_ms
+from zorse_lightning.planner.search.choice import handicap, margin
 from zorse_lightning.planner.search.heuristic import HEURISTIC, speed_by_type
 from zorse_lightning.planner.search.layouts import Layout, candidate_layouts, fastest_type_subsets
 from zorse_lightning.planner.search.problem import WindowCosts, stage_groups
@@ -78,6 +79,12 @@ class Candidate:
     planned: bool = False
     """A baseline the planner plans on its ranks (the fastest type alone): the search's own candidates on those
     ranks are the ones it would propose, so what the search learns of them bounds it (:meth:`.loop._Loop._refined`)."""
+
+    def handicap(self, world_size: int) -> float:
+        """The handicap of every plan it can give (:func:`.choice.handicap`)."""
+        if self.kind is Kind.SIMULATED:
+            return handicap(self.plan)
+        return margin(sum(map(len, self.layout)) < world_size, self.interleave > 1, bool(self.tensor_parallel))
 
     @property
     def key(self) -> tuple | None:
