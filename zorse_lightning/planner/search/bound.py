@@ -45,18 +45,15 @@ def lower_bound_ms(
     num_m = global_batch_size // m
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
-    types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]  # per stage: units of each type
+    types, units, update_ms = ctx.memo(("bound units", layout, degrees), lambda: _layout_units(ctx, layout, degrees))
     message_bytes = ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers)) * m
     fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
-    extras = {(u, s): block_extras(ctx, u[0], m, s == 0, s == last)[0] for s, stage in enumerate(types) for u in stage}
-    units: Counter[tuple[str, int]] = Counter()
-    for stage in types:
-        units.update(stage)
+    extras = [{u: block_extras(ctx, u[0], m, s == 0, s == last)[0] for u in stage} for s, stage in enumerate(types)]
     whole_model = _whole_model_ms(ctx, units, fastest_layer, m, num_m)
     one_layer_per_stage = max(
-        num_m / sum(n / (fastest_layer[t] + extras[t, s]) for t, n in stage.items()) for s, stage in enumerate(types)
+        num_m / sum(n / (fastest_layer[t] + edge[t]) for t, n in stage.items()) for stage, edge in zip(types, extras)
     )
-    fill = [min(fastest_layer[t] + extras[t, s] for t in stage) for s, stage in enumerate(types)]
+    fill = [min(fastest_layer[t] + edge[t] for t in stage) for stage, edge in zip(types, extras)]
     transfers = sum(
         ctx.memo(("round trip", a, b, message_bytes), lambda: round_trip_ms(ctx, a, b, message_bytes)[0]) for a, b in zip(layout, layout[1:])
     )
@@ -64,10 +61,20 @@ def lower_bound_ms(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
         bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
     ) + transfers
+    return compute + update_ms
+
+
+def _layout_units(ctx: CostContext, layout: Layout, degrees: tuple[int, ...]) -> tuple[list[Counter[tuple[str, int]]], Counter, float]:
+    """Per stage its :func:`_units`, the layout's together, and the optimizer step's bound of its GPUs: the same at
+    every microbatch size (a layout is bounded at each)."""
+    types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]
+    units: Counter[tuple[str, int]] = Counter()
+    for stage in types:
+        units.update(stage)
     gpus: Counter[str] = Counter()
     for (name, t), n in units.items():
         gpus[name] += n * t
-    return compute + update_lower_bound_of_counts(ctx, gpus)
+    return types, units, update_lower_bound_of_counts(ctx, gpus)
 
 
 def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, global_batch_size: int) -> float:
@@ -133,7 +140,7 @@ def _whole_model_ms(ctx: CostContext, count: Counter[tuple[str, int]], fastest_l
 
 def bottleneck_bound_ms(
     num_layers: int, num_m: int, types: list[Counter[str]], fastest_layer: dict[str, float],
-    extras: dict[tuple[str, int], float],
+    extras: list[dict[tuple[str, int], float]],
 ) -> float:
     """The pipeline (transfers left out) is no shorter than any stage ``b``'s busy time plus one
     microbatch through every other stage (the closed form's ``sum_e l_e + max_e (T_e - l_e)``).
@@ -151,7 +158,7 @@ def bottleneck_bound_ms(
     """
     stages = len(types)
     per_layer = [min(fastest_layer[t] for t in stage) for stage in types]
-    edge = [min(extras[t, s] for t in stage) for s, stage in enumerate(types)]
+    edge = [min(stage_extras.values()) for stage_extras in extras]
     most_layers = num_layers - stages + 1
     bound = 0.0
     lowest = sorted(range(stages), key=per_layer.__getitem__)[:2]  # the least per-layer time of the stages but b's
