@@ -114,6 +114,8 @@ class _Loop:
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
         """The plans held whose other orders are queued, by structure."""
+        self.simulations = 0
+        """The plans simulated when the fastest on each planned baseline's ranks was last looked for."""
         self.programmed: set[tuple] = set()
         """The layouts and sizes an integer program was solved (or queued at the stop) for."""
         self.held_programs: set[tuple] = set()
@@ -190,14 +192,18 @@ class _Loop:
 
     def _ordered_held(self) -> bool:
         """Queue the other orders of the plan held once it is simulated (it may be only when the queue reaches
-        it: :meth:`.choice.Choice.past`); whether any were queued."""
-        chosen = self.choice.chosen
-        if chosen is None or not simulated(chosen) or structure(chosen) in self.ordered:
-            return False
-        self.ordered.add(structure(chosen))
-        queued = len(self.queue)
-        for order in other_orders(self.search, chosen):
-            self._push(order)
+        it: :meth:`.choice.Choice.past`), and of the fastest simulated plan on a planned baseline's ranks (the
+        baseline's own search would hold it there: :mod:`.same_ranks`); whether any were queued."""
+        queued, held_too = len(self.queue), []
+        if len(self.choice.simulated_since) != self.simulations:  # a plan simulated since: the fastest there may be new
+            self.simulations = len(self.choice.simulated_since)
+            held_too = self.same_ranks.fastest(self.choice)
+        for held in (self.choice.chosen, *held_too):
+            if held is None or not simulated(held) or structure(held) in self.ordered:
+                continue
+            self.ordered.add(structure(held))
+            for order in other_orders(self.search, held):
+                self._push(order)
         return len(self.queue) > queued
 
     def _program_held(self) -> bool:

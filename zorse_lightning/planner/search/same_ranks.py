@@ -1,6 +1,8 @@
 """What the search learns of its own candidates on the ranks of a baseline the planner plans (the fastest type
-alone): that baseline is a whole search of those ranks, which proposes the same candidates, so no plan of it is
-faster than the least of what the search still expects of them and has found with them. The loop keys the baseline
+alone): that baseline is a whole search of those ranks, which proposes the same candidates (its layouts, and the
+other orders of the plan it holds, which the loop queues for the fastest plan here too:
+:meth:`.loop._Loop._ordered_held`), so no plan of it is faster than the least of what the search still expects of
+them and has found with them. The loop keys the baseline
 by that (:meth:`.loop._Loop._refined`): the fastest type alone, planned by a search of its own, was 9 % of planning
 mix32 Llama 7B at global batch 128 (and lost to the plan held), 16 % of a 1024-GPU search."""
 
@@ -11,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from zorse_lightning.planner.search.choice import Choice, simulated
 from zorse_lightning.planner.search.space import Candidate
+from zorse_lightning.schedule.plan import Plan
 
 
 class SameRanks:
@@ -34,6 +37,15 @@ class SameRanks:
         """Note ``candidate`` taken by the loop."""
         if id(candidate) in self._taken:
             self._taken[id(candidate)] = True
+
+    def fastest(self, choice: Choice) -> list[Plan]:
+        """Per planned baseline's ranks, the fastest simulated plan of the pool on exactly those ranks."""
+        fastest: dict[frozenset, Plan] = {}
+        for plan in choice.pool:
+            ranks = frozenset(r for s in plan.rank_groups for r in s.ranks)
+            if ranks in self._by_ranks and simulated(plan) and (ranks not in fastest or plan.predicted.iteration_ms < fastest[ranks].predicted.iteration_ms):
+                fastest[ranks] = plan
+        return list(fastest.values())
 
     def least_ms(self, ranks: tuple[int, ...], key: Callable[[Candidate], float], choice: Choice) -> float:
         """The least a plan of the search's own candidates on exactly ``ranks`` may take, as far as the search knows:
