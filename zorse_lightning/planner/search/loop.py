@@ -114,8 +114,6 @@ class _Loop:
         """Candidates past the plan held: queued again where the floor falls."""
         self.ordered: set[tuple] = set()
         """The plans held whose other orders are queued, by structure."""
-        self.simulations = 0
-        """The plans simulated when the fastest on each planned baseline's ranks was last looked for."""
         self.programmed: set[tuple] = set()
         """The layouts and sizes an integer program was solved (or queued at the stop) for."""
         self.held_programs: set[tuple] = set()
@@ -194,11 +192,8 @@ class _Loop:
         """Queue the other orders of the plan held once it is simulated (it may be only when the queue reaches
         it: :meth:`.choice.Choice.past`), and of the fastest simulated plan on a planned baseline's ranks (the
         baseline's own search would hold it there: :mod:`.same_ranks`); whether any were queued."""
-        queued, held_too = len(self.queue), []
-        if len(self.choice.simulated_since) != self.simulations:  # a plan simulated since: the fastest there may be new
-            self.simulations = len(self.choice.simulated_since)
-            held_too = self.same_ranks.fastest(self.choice)
-        for held in (self.choice.chosen, *held_too):
+        queued = len(self.queue)
+        for held in (self.choice.chosen, *self.same_ranks.fastest(self.choice)):
             if held is None or not simulated(held) or structure(held) in self.ordered:
                 continue
             self.ordered.add(structure(held))

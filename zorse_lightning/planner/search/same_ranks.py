@@ -24,6 +24,7 @@ class SameRanks:
     def __init__(self, candidates: Iterable[Candidate]) -> None:
         self._by_ranks: dict[frozenset, list[Candidate]] = {frozenset(c.layout[0]): [] for c in candidates if c.planned}
         self._taken: dict[int, bool] = {}
+        self._simulations, self._fastest = 0, []
 
     def queued(self, candidate: Candidate) -> None:
         """Note ``candidate``, just queued for the first time."""
@@ -39,13 +40,17 @@ class SameRanks:
             self._taken[id(candidate)] = True
 
     def fastest(self, choice: Choice) -> list[Plan]:
-        """Per planned baseline's ranks, the fastest simulated plan of the pool on exactly those ranks."""
-        fastest: dict[frozenset, Plan] = {}
-        for plan in choice.pool:
-            ranks = frozenset(r for s in plan.rank_groups for r in s.ranks)
-            if ranks in self._by_ranks and simulated(plan) and (ranks not in fastest or plan.predicted.iteration_ms < fastest[ranks].predicted.iteration_ms):
-                fastest[ranks] = plan
-        return list(fastest.values())
+        """Per planned baseline's ranks, the fastest simulated plan of the pool on exactly those ranks; looked for
+        again only where a plan was simulated since (the loop asks after every candidate)."""
+        if len(choice.simulated_since) != self._simulations:
+            self._simulations = len(choice.simulated_since)
+            fastest: dict[frozenset, Plan] = {}
+            for plan in choice.pool:
+                ranks = frozenset(r for s in plan.rank_groups for r in s.ranks)
+                if ranks in self._by_ranks and simulated(plan) and (ranks not in fastest or plan.predicted.iteration_ms < fastest[ranks].predicted.iteration_ms):
+                    fastest[ranks] = plan
+            self._fastest = list(fastest.values())
+        return self._fastest
 
     def least_ms(self, ranks: tuple[int, ...], key: Callable[[Candidate], float], choice: Choice) -> float:
         """The least a plan of the search's own candidates on exactly ``ranks`` may take, as far as the search knows:
