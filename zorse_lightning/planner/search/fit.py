@@ -177,7 +177,9 @@ def interleaved_best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degr
     NCCL's rules the draft waits for a share of its messages only (:func:`~..cost.chain._waited`, from
     recorded programs), so the tail is added to a pipeline whose waits lack what a chunk-forward or two may
     cover, else the estimate is the pipeline alone. Without the tail it was a median 1.37x short of the draft
-    at mix32 Llama 7B (global batch 128): 259 interleavings drafted and 99 splits fitted, now 103 and 47.
+    at mix32 Llama 7B (global batch 128): 259 interleavings drafted and 99 splits fitted, now 103 and 47. (Under
+    NCCL's rules the pipeline alone came over the draft in 24 of 1,898 drafts of the shipped clusters' searches,
+    by 4.9 % at most, with the tail or without: the draft's waited shares are no recording's here.)
     Made once per structure and degree: a split is keyed by the least over its degrees, again wherever a
     floor falls."""
     return ctx.memo(("best case", structure(plain), degree), lambda: _best_case_ms(ctx, plain, base, degree))
