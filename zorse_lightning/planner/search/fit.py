@@ -190,15 +190,15 @@ def _best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) ->
     counts = _chunked_counts(plain, degree, [stage.busy_ms for stage in base.stages])
     latencies = [2 * boundary.transfer_ms for boundary in base.boundaries]
     excess = [boundary.busy_ms * degree - latency for boundary, latency in zip(base.boundaries, latencies)]
-    covered = list(excess)
+    nccl = ctx.p2p_rules is P2PRules.NCCL
+    covered = list(excess) if nccl else excess  # under gloo's rules no wait is covered: the same pipeline
     scales = [min(k / s.num_layers, 1.0) if g in (0, len(counts) - 1) else k / s.num_layers for g, (k, s) in enumerate(zip(counts, plain.stages))]
     own = [cost.busy_ms * scale for cost, scale in zip(base.stages, scales)]
-    nccl = ctx.p2p_rules is P2PRules.NCCL
     for stage, cost, scale, work, waited, k in zip(plain.stages, base.stages, scales, own, waits, counts):
         latencies.append(cost.latency_ms * scale / degree)
-        ahead = 2 * max(k / stage.num_layers, 1.0) / degree if nccl else 0.0
+        ahead = 2 * max(k / stage.num_layers, 1.0) / degree  # under NCCL: a chunk-forward or two may cover a wait
         phases = work + (max(own) - work) * PHASE_WAIT_SHARE
-        for out, cover in ((excess, 0.0), (covered, ahead)):
+        for out, cover in ((excess, 0.0), (covered, ahead))[: 1 + nccl]:
             receiving = max((
                 n * t.total_ms * scale + (n * degree - 1) * max(x - cover * t.forward_ms, 0.0)
                 for t, n, x in zip(cost.times, stage.microbatches_per_rank, waited) if n > 0

@@ -46,7 +46,7 @@ class SameRanks:
             self._simulations = len(choice.simulated_since)
             fastest: dict[frozenset, Plan] = {}
             for plan in choice.pool:
-                ranks = frozenset(r for s in plan.rank_groups for r in s.ranks)
+                ranks = _ranks(plan)
                 if ranks in self._by_ranks and simulated(plan) and (ranks not in fastest or plan.predicted.iteration_ms < fastest[ranks].predicted.iteration_ms):
                     fastest[ranks] = plan
             self._fastest = list(fastest.values())
@@ -59,5 +59,10 @@ class SameRanks:
         mine = frozenset(ranks)
         keys = [key(c) for c in self._by_ranks.get(mine, ()) if not self._taken[id(c)]]
         keys += [p.predicted.iteration_ms * (1.0 if simulated(p) else choice.floor(p.interleave > 1))
-                 for p in choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and frozenset(r for s in p.rank_groups for r in s.ranks) == mine]
+                 for p in choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and _ranks(p) == mine]
         return min(keys, default=math.inf)
+
+
+def _ranks(plan: Plan) -> frozenset:
+    """The ranks ``plan`` uses."""
+    return frozenset(r for group in plan.rank_groups for r in group.ranks)
