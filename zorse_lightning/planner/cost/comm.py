@@ -244,18 +244,24 @@ class LinkTable:
         """All-reduce of ``num_bytes`` among ``ranks`` (group order: ascending)."""
         if len(ranks) <= 1 or num_bytes <= 0:
             return 0.0
-        per_byte_ms, latency_ms = self._linear_ms(("all_reduce", ranks), lambda: all_reduce_phases(ranks, 1.0))
+        per_byte_ms, latency_ms = self.all_reduce_line(ranks)
         return num_bytes * per_byte_ms + latency_ms
+
+    def all_reduce_line(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(ms per byte, ms of latencies) of :meth:`all_reduce_ms`."""
+        return self._linear_ms(("all_reduce", ranks), lambda: all_reduce_phases(ranks, 1.0))
 
     def concurrent_all_reduce_ms(self, groups: tuple[tuple[int, ...], ...], num_bytes: float) -> float:
         """All-reduces of ``num_bytes`` among each of ``groups`` (each in group order) at once: a TP stage's
         data-parallel groups, one per TP index, whose flows share the links between machines they cross."""
         if num_bytes <= 0 or all(len(g) <= 1 for g in groups):
             return 0.0
-        per_byte_ms, latency_ms = self._linear_ms(
-            ("all_reduce_concurrent", groups), lambda: concurrent(*(all_reduce_phases(g, 1.0) for g in groups))
-        )
+        per_byte_ms, latency_ms = self.concurrent_all_reduce_line(groups)
         return num_bytes * per_byte_ms + latency_ms
+
+    def concurrent_all_reduce_line(self, groups: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+        """(ms per byte, ms of latencies) of :meth:`concurrent_all_reduce_ms`."""
+        return self._linear_ms(("all_reduce_concurrent", groups), lambda: concurrent(*(all_reduce_phases(g, 1.0) for g in groups)))
 
     def to_owners_ms(self, ranks: tuple[int, ...], num_bytes: float, shares: tuple[float, ...]) -> float:
         """Each owner's share of ``num_bytes`` summed over ``ranks`` into that owner, as the engine does
@@ -307,9 +313,13 @@ class LinkTable:
 
     def _ring_share_ms(self, ranks: tuple[int, ...], num_bytes: float) -> float:
         """(n-1)/n of the bytes over every ring edge: a ring reduce-scatter's or all-gather's traffic."""
-        n = len(ranks)
-        per_byte_ms, latency_ms = self._linear_ms(("ring_share", ranks), lambda: (ring_phase(ranks, (n - 1) / n),))
+        per_byte_ms, latency_ms = self.ring_share_line(ranks)
         return num_bytes * per_byte_ms + latency_ms
+
+    def ring_share_line(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(ms per byte, ms of latencies) of :meth:`_ring_share_ms`: NCCL's reduce-scatter or all-gather."""
+        n = len(ranks)
+        return self._linear_ms(("ring_share", ranks), lambda: (ring_phase(ranks, (n - 1) / n),))
 
 
 def stage_sync_ms(
@@ -342,6 +352,25 @@ def stage_sync_ms(
     if sharding is Sharding.OPTIMIZER:
         return links.all_reduce_ms(order, gradient_bytes) + links.all_reduce_ms(order, weight_bytes)
     return links.to_owners_ms(order, gradient_bytes, shares) + links.from_owners_ms(order, weight_bytes, shares)
+
+
+def least_stage_sync_ms(
+    links: LinkTable, ranks: tuple[int, ...], weight_bytes: float, gradient_bytes: float, degree: int = 1,
+) -> tuple[float, float]:
+    """(ms per unit, ms) such that a stage on ``ranks`` (TP groups of ``degree``, listed replica by replica)
+    synchronising ``n`` units of ``weight_bytes`` and ``gradient_bytes`` each a rank (a layer's, say) takes no less
+    than ``n`` times the first plus the second at any sharding level, shares or gathering per microbatch (whose three
+    rounds a block move each block's bytes at least so: :func:`gather_round_ms`). Under NCCL, ``none`` and
+    ``optimizer`` all-reduce the gradients at least (with TP, each TP index's group at once:
+    :func:`~.tensor_parallel.tensor_parallel_sync_ms`); the others reduce-scatter the gradients and all-gather the
+    weights in rings that do not depend on the shares (with TP, one TP index's group). (0, 0) under gloo, whose
+    owners' collectives cost by where each owner sits and how much it holds."""
+    groups = tuple(tuple(sorted(ranks[i::degree])) for i in range(degree))
+    if len(groups[0]) <= 1 or links.backend is not CollectiveBackend.NCCL:
+        return 0.0, 0.0
+    reduce_ms, reduce_latency_ms = links.all_reduce_line(groups[0]) if degree == 1 else links.concurrent_all_reduce_line(groups)
+    share_ms, share_latency_ms = links.ring_share_line(groups[0])
+    return min(reduce_ms * gradient_bytes, share_ms * (gradient_bytes + weight_bytes)), min(reduce_latency_ms, 2 * share_latency_ms)
 
 
 def gather_round_ms(

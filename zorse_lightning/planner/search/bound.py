@@ -11,8 +11,11 @@ choose: ``tests/planner/test_planner_search_bounds.py`` prices every split of sm
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
+from zorse_lightning.planner.cost.comm import least_stage_sync_ms
 from zorse_lightning.planner.cost.context import CostContext
+from zorse_lightning.planner.cost.memory import profile_state_bytes
 from zorse_lightning.planner.cost.tensor_parallel import ALL_REDUCES_PER_PASS, split_factor
 from zorse_lightning.planner.cost.update import update_lower_bound_ms, update_lower_bound_of_counts
 from zorse_lightning.planner.search.layouts import Layout
@@ -32,10 +35,12 @@ def lower_bound_ms(
     drain: the largest such term is left out, it may be the busiest stage's) and
     through each boundary at its fastest link; or, where larger, the bound of
     :func:`bottleneck_bound_ms`, which counts every layer in the fill and drain and
-    the microbatches a stage's busiest GPU must take. Then the optimizer step: the
-    stages hold every parameter between them, and no split of them over stages and
-    shards steps faster than all of them spread over every GPU of the layout by its
-    speed (:func:`update_lower_bound_ms`). Interleaved, a microbatch still passes at least a layer of
+    the microbatches a stage's busiest GPU must take. Then the first stage's synchronisation and
+    optimizer step, which start at the last backward: of its embedding and one layer at least
+    (:func:`_first_tail_ms`; every other stage's may hide in its drain, so the step of all the
+    parameters spread over every GPU, once counted here, could come over a plan by up to 1 %). Or,
+    where larger, :func:`tail_bound_ms`: a stage's work, synchronisation and step, balanced over the
+    stages. Interleaved, a microbatch still passes at least a layer of
     every other group in the fill and drain, and crosses every boundary, but no longer every layer of
     the others: :func:`bottleneck_bound_ms` holds for plain plans only. A TP group counts as one GPU
     whose layers take the one-GPU time over the degree at the type's efficiency plus the all-reduces of
@@ -45,7 +50,7 @@ def lower_bound_ms(
     num_m = global_batch_size // m
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
-    types, units, update_ms = ctx.memo(("bound units", layout, degrees), lambda: _layout_units(ctx, layout, degrees))
+    types, units = ctx.memo(("bound units", layout, degrees), lambda: _layout_units(ctx, layout, degrees))
     message_bytes = ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers)) * m
     fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
     extras = [{u: block_extras(ctx, u[0], m, s == 0, s == last)[0] for u in stage} for s, stage in enumerate(types)]
@@ -57,24 +62,40 @@ def lower_bound_ms(
     transfers = sum(
         ctx.memo(("round trip", a, b, message_bytes), lambda: round_trip_ms(ctx, a, b, message_bytes)[0]) for a, b in zip(layout, layout[1:])
     )
+    stages = [
+        StageTerms(
+            min(fastest_layer[t] for t in stage), min(edge.values()),
+            sum(n / fastest_layer[t] for t, n in stage.items()), -(-num_m // sum(stage.values())),
+        )
+        for stage, edge in zip(types, extras)
+    ]
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
-        bottleneck_bound_ms(ctx.profile.num_layers, num_m, types, fastest_layer, extras) if interleave == 1 else 0.0,
+        bottleneck_bound_ms(ctx.profile.num_layers, num_m, stages) if interleave == 1 else 0.0,
     ) + transfers
-    return compute + update_ms
+    first_tail_ms = ctx.memo(("first tail", layout[0], degrees[0]), lambda: _first_tail_ms(ctx, layout[0], degrees[0]))
+    return max(compute + first_tail_ms, tail_bound_ms(ctx, layout, degrees, stages, num_m))
 
 
-def _layout_units(ctx: CostContext, layout: Layout, degrees: tuple[int, ...]) -> tuple[list[Counter[tuple[str, int]]], Counter, float]:
-    """Per stage its :func:`_units`, the layout's together, and the optimizer step's bound of its GPUs: the same at
-    every microbatch size (a layout is bounded at each)."""
+class StageTerms(NamedTuple):
+    """What the bounds count of a stage at a microbatch size: its least time of a microbatch through one layer
+    and through its embedding or head, on its fastest GPU or TP group; the microbatches per ms it passes through a
+    layer with every GPU busy; and the fewest microbatches its busiest GPU or TP group takes."""
+
+    layer_ms: float
+    edge_ms: float
+    capacity: float
+    busiest: int
+
+
+def _layout_units(ctx: CostContext, layout: Layout, degrees: tuple[int, ...]) -> tuple[list[Counter[tuple[str, int]]], Counter]:
+    """Per stage its :func:`_units`, and the layout's together: the same at every microbatch size (a layout is
+    bounded at each)."""
     types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]
     units: Counter[tuple[str, int]] = Counter()
     for stage in types:
         units.update(stage)
-    gpus: Counter[str] = Counter()
-    for (name, t), n in units.items():
-        gpus[name] += n * t
-    return types, units, update_lower_bound_of_counts(ctx, gpus)
+    return types, units
 
 
 def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, global_batch_size: int) -> float:
@@ -138,10 +159,7 @@ def _whole_model_ms(ctx: CostContext, count: Counter[tuple[str, int]], fastest_l
     return num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
 
 
-def bottleneck_bound_ms(
-    num_layers: int, num_m: int, types: list[Counter[str]], fastest_layer: dict[str, float],
-    extras: list[dict[tuple[str, int], float]],
-) -> float:
+def bottleneck_bound_ms(num_layers: int, num_m: int, stages: list[StageTerms]) -> float:
     """The pipeline (transfers left out) is no shorter than any stage ``b``'s busy time plus one
     microbatch through every other stage (the closed form's ``sum_e l_e + max_e (T_e - l_e)``).
 
@@ -153,26 +171,64 @@ def bottleneck_bound_ms(
     splits lies at an end of ``1 .. L - S + 1`` or at the kink between; the bound holds for the
     actual split, whichever stage is busiest, so the largest over ``b`` of those least values is a
     bound. Tight where few microbatches meet many layers: the fill and drain of a deep pipeline,
-    a data-parallel stage whose GPUs outnumber its microbatches. ``types``: per stage, its GPUs of
-    each type.
+    a data-parallel stage whose GPUs outnumber its microbatches.
     """
-    stages = len(types)
-    per_layer = [min(fastest_layer[t] for t in stage) for stage in types]
-    edge = [min(stage_extras.values()) for stage_extras in extras]
-    most_layers = num_layers - stages + 1
+    most_layers = num_layers - len(stages) + 1
     bound = 0.0
-    lowest = sorted(range(stages), key=per_layer.__getitem__)[:2]  # the least per-layer time of the stages but b's
-    edges = sum(edge)
-    for b, stage in enumerate(types):
-        others_layer = per_layer[lowest[lowest[0] == b]] if stages > 1 else 0.0
-        others_edge = edges - edge[b]
-        busiest = -(-num_m // sum(stage.values()))
-        capacity = sum(n / fastest_layer[t] for t, n in stage.items())
-        layer_ms, edge_ms = per_layer[b], edge[b]
+    lowest = sorted(range(len(stages)), key=lambda b: stages[b].layer_ms)[:2]  # the least per-layer time of the stages but b's
+    edges = sum(stage.edge_ms for stage in stages)
+    for b, (layer_ms, edge_ms, capacity, busiest) in enumerate(stages):
+        others_layer = stages[lowest[lowest[0] == b]].layer_ms if len(stages) > 1 else 0.0
+        others_edge = edges - edge_ms
         slope_gap = num_m / capacity - busiest * layer_ms
         kink = busiest * edge_ms / slope_gap if slope_gap > 0 else 1.0
-        ks = {1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)} if stages > 1 else (num_layers,)
+        ks = {1, most_layers, min(max(int(kink), 1), most_layers), min(max(int(kink) + 1, 1), most_layers)} if len(stages) > 1 else (num_layers,)
         bound = max(bound, min(
             max(busiest * (k * layer_ms + edge_ms), num_m * k / capacity) + (num_layers - k) * others_layer + others_edge for k in ks
         ))
     return bound
+
+
+def tail_bound_ms(ctx: CostContext, layout: Layout, degrees: tuple[int, ...], stages: list[StageTerms], num_m: int) -> float:
+    """No plan ends before any stage's busiest GPU has done its work, the stage has synchronised its layers and
+    that GPU stepped its share of them, whatever the split, the interleaving or the sharding: with ``k`` layers, a
+    stage's work is at least :func:`bottleneck_bound_ms`'s two lines in ``k`` and its synchronisation and step
+    at least another (:func:`_tail_line`); the largest of these over the stages is least, over real ``k``
+    summing to the layers, where every stage's is equal. Where the closed form's tail rules (a wide stage's
+    reduction over a slow link), the search no longer drafts the layout to learn that."""
+    lines: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
+    for ranks, degree, (layer_ms, edge_ms, capacity, busiest) in zip(layout, degrees, stages):
+        tail_ms, tail_latency_ms = ctx.memo(("tail line", ranks, degree), lambda: _tail_line(ctx, ranks, degree))
+        lines[0].append((num_m / capacity + tail_ms, tail_latency_ms))
+        lines[1].append((busiest * layer_ms + tail_ms, busiest * edge_ms + tail_latency_ms))
+    return max(_least_largest(ctx.profile.num_layers, stage_lines) for stage_lines in lines)
+
+
+def _tail_line(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> tuple[float, float]:
+    """(ms per layer, ms): no stage on ``ranks`` (TP groups of ``degree``) synchronises its ``k`` layers and steps its
+    busiest GPU's share of them in less than ``k`` times the first plus the second (each layer at least the model's
+    smallest, a TP rank's part of it over the degree): :func:`_stage_tail_ms` of one layer."""
+    return _stage_tail_ms(ctx, ranks, degree, min(block.parameters for block in ctx.profile.layers) / degree)
+
+
+def _first_tail_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> float:
+    """The least the first stage (on ``ranks``, TP groups of ``degree``) takes to synchronise and step after its last
+    backward, which ends the pipeline: its embedding and at least one layer."""
+    layer = min(block.parameters for block in ctx.profile.layers) / degree
+    return sum(_stage_tail_ms(ctx, ranks, degree, layer + ctx.profile.embedding.parameters))
+
+
+def _stage_tail_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int, parameters: float) -> tuple[float, float]:
+    """(ms, ms of latencies) below a stage's synchronisation and step of ``parameters`` a rank: the synchronisation at
+    :func:`~..cost.comm.least_stage_sync_ms`, the step at them spread over one TP index's GPUs by speed
+    (:func:`~..cost.update.update_lower_bound_of_counts`)."""
+    per = profile_state_bytes(ctx.profile)
+    sync_ms, latency_ms = least_stage_sync_ms(ctx.links, ranks, parameters * per.weights, parameters * per.gradients, degree)
+    stepping = Counter(ctx.inventory.gpus[r].gpu_type.name for r in ranks[::degree])
+    return sync_ms + update_lower_bound_of_counts(ctx, stepping) * parameters / ctx.profile.total_parameters, latency_ms
+
+
+def _least_largest(num_layers: int, lines: list[tuple[float, float]]) -> float:
+    """The least over real ``k`` summing to ``num_layers`` of the largest ``slope * k_s + intercept`` of ``lines``
+    (one per stage, every slope positive): where every line has the same value."""
+    return (num_layers + sum(intercept / slope for slope, intercept in lines)) / sum(1 / slope for slope, _ in lines)

@@ -198,11 +198,9 @@ def _best_case_ms(ctx: CostContext, plain: Plan, base: PlanCost, degree: int) ->
         latencies.append(cost.latency_ms * scale / degree)
         ahead = 2 * max(k / stage.num_layers, 1.0) / degree  # under NCCL: a chunk-forward or two may cover a wait
         phases = work + (max(own) - work) * PHASE_WAIT_SHARE
+        ranks = {(n, t.total_ms, t.forward_ms, x) for t, n, x in zip(cost.times, stage.microbatches_per_rank, waited) if n > 0}  # alike ranks once
         for out, cover in ((excess, 0.0), (covered, ahead))[: 1 + nccl]:
-            receiving = max((
-                n * t.total_ms * scale + (n * degree - 1) * max(x - cover * t.forward_ms, 0.0)
-                for t, n, x in zip(cost.times, stage.microbatches_per_rank, waited) if n > 0
-            ), default=0.0)
+            receiving = max((n * total * scale + (n * degree - 1) * max(x - cover * forward, 0.0) for n, total, forward, x in ranks), default=0.0)
             out.append(max(receiving, phases) - latencies[-1])
     tails = [0.0] + [
         base.stage_sync_ms(g) + (base.stage_update_ms(g) if stage.sharding is not Sharding.NONE else 0.0) - base.drain_ms[g]
