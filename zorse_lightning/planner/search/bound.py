@@ -230,5 +230,8 @@ def _stage_tail_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int, parame
 
 def _least_largest(num_layers: int, lines: list[tuple[float, float]]) -> float:
     """The least over real ``k`` summing to ``num_layers`` of the largest ``slope * k_s + intercept`` of ``lines``
-    (one per stage, every slope positive): where every line has the same value."""
+    (one per stage): where every line has the same value; 0 where a slope is not positive (free layers: a stage
+    could take them all)."""
+    if any(slope <= 0 for slope, _ in lines):
+        return 0.0
     return (num_layers + sum(intercept / slope for slope, intercept in lines)) / sum(1 / slope for slope, _ in lines)
