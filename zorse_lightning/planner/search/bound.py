@@ -208,14 +208,18 @@ def _tail_line(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> tuple[f
     """(ms per layer, ms): no stage on ``ranks`` (TP groups of ``degree``) synchronises its ``k`` layers and steps its
     busiest GPU's share of them in less than ``k`` times the first plus the second (each layer at least the model's
     smallest, a TP rank's part of it over the degree): :func:`_stage_tail_ms` of one layer."""
-    return _stage_tail_ms(ctx, ranks, degree, min(block.parameters for block in ctx.profile.layers) / degree)
+    return _stage_tail_ms(ctx, ranks, degree, _smallest_layer(ctx) / degree)
 
 
 def _first_tail_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> float:
     """The least the first stage (on ``ranks``, TP groups of ``degree``) takes to synchronise and step after its last
     backward, which ends the pipeline: its embedding and at least one layer."""
-    layer = min(block.parameters for block in ctx.profile.layers) / degree
-    return sum(_stage_tail_ms(ctx, ranks, degree, layer + ctx.profile.embedding.parameters))
+    return sum(_stage_tail_ms(ctx, ranks, degree, _smallest_layer(ctx) / degree + ctx.profile.embedding.parameters))
+
+
+def _smallest_layer(ctx: CostContext) -> int:
+    """The parameters of the model's smallest layer: every stage holds at least one."""
+    return min(block.parameters for block in ctx.profile.layers)
 
 
 def _stage_tail_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int, parameters: float) -> tuple[float, float]:
