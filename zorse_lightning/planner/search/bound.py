@@ -44,37 +44,29 @@ def lower_bound_ms(
     every other group in the fill and drain, and crosses every boundary, but no longer every layer of
     the others: :func:`bottleneck_bound_ms` holds for plain plans only. A TP group counts as one GPU
     whose layers take the one-GPU time over the degree at the type's efficiency plus the all-reduces of
-    the smallest layer output of a forward and a backward on the fastest such group (:func:`_split_layer_ms`),
+    the smallest layer output of a forward and a backward on the fastest such group of its stage (:func:`_stage_layer_ms`),
     its embedding and head whole: every term then holds as for a GPU.
     """
     num_m = global_batch_size // m
     last = len(layout) - 1
     degrees = degrees or (1,) * len(layout)
-    types, units = ctx.memo(("bound units", layout, degrees), lambda: _layout_units(ctx, layout, degrees))
-    message_bytes = ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers)) * m
-    fastest_layer = _split_layer_ms(ctx, layout, degrees, types, m, message_bytes)
-    extras = [{u: block_extras(ctx, u[0], m, s == 0, s == last)[0] for u in stage} for s, stage in enumerate(types)]
-    whole_model = _whole_model_ms(ctx, units, fastest_layer, m, num_m)
-    one_layer_per_stage = max(
-        num_m / sum(n / (fastest_layer[t] + edge[t]) for t, n in stage.items()) for stage, edge in zip(types, extras)
-    )
-    fill = [min(fastest_layer[t] + edge[t] for t in stage) for stage, edge in zip(types, extras)]
+    stages = [
+        ctx.memo(("stage bound", ranks, t, m, num_m, s == 0, s == last), lambda: _stage_bound(ctx, ranks, t, m, num_m, s == 0, s == last))
+        for s, (ranks, t) in enumerate(zip(layout, degrees))
+    ]
+    whole_model = _whole_model_ms(ctx, stages, num_m)
+    one_layer_per_stage = max(s.one_layer_ms for s in stages)
+    fill = [s.fill_ms for s in stages]
+    message_bytes = _smallest_output_bytes(ctx) * m
     transfers = sum(
         ctx.memo(("round trip", a, b, message_bytes), lambda: round_trip_ms(ctx, a, b, message_bytes)[0]) for a, b in zip(layout, layout[1:])
     )
-    stages = [
-        StageTerms(
-            min(fastest_layer[t] for t in stage), min(edge.values()),
-            sum(n / fastest_layer[t] for t, n in stage.items()), -(-num_m // sum(stage.values())),
-        )
-        for stage, edge in zip(types, extras)
-    ]
     compute = max(
         max(whole_model, one_layer_per_stage) + sum(fill) - max(fill),
-        bottleneck_bound_ms(ctx.profile.num_layers, num_m, stages) if interleave == 1 else 0.0,
+        bottleneck_bound_ms(ctx.profile.num_layers, num_m, [s.terms for s in stages]) if interleave == 1 else 0.0,
     ) + transfers
     first_tail_ms = ctx.memo(("first tail", layout[0], degrees[0]), lambda: _first_tail_ms(ctx, layout[0], degrees[0]))
-    return max(compute + first_tail_ms, tail_bound_ms(ctx, layout, degrees, stages, num_m))
+    return max(compute + first_tail_ms, tail_bound_ms(ctx.profile.num_layers, [s.tail_lines for s in stages]))
 
 
 class StageTerms(NamedTuple):
@@ -88,14 +80,40 @@ class StageTerms(NamedTuple):
     busiest: int
 
 
-def _layout_units(ctx: CostContext, layout: Layout, degrees: tuple[int, ...]) -> tuple[list[Counter[tuple[str, int]]], Counter]:
-    """Per stage its :func:`_units`, and the layout's together: the same at every microbatch size (a layout is
-    bounded at each)."""
-    types = [_units(ctx, s, t) for s, t in zip(layout, degrees)]
-    units: Counter[tuple[str, int]] = Counter()
-    for stage in types:
-        units.update(stage)
-    return types, units
+class _StageBound(NamedTuple):
+    """A stage's part of :func:`lower_bound_ms` at a microbatch size and position, made once: a stage recurs in
+    many layouts (at 1024 GPUs counting its GPUs again was most of a bound). ``head_ratio``: its cheapest
+    embedding and head in units of its layer time (:func:`_whole_model_ms`); ``one_layer_ms``: every microbatch
+    through one layer and its own embedding or head over its GPUs; ``fill_ms``: one microbatch through them on
+    its fastest; ``tail_lines``: :func:`tail_bound_ms`'s two lines in its layer count."""
+
+    terms: StageTerms
+    head_ratio: float
+    one_layer_ms: float
+    fill_ms: float
+    tail_lines: tuple[tuple[float, float], tuple[float, float]]
+
+
+def _stage_bound(ctx: CostContext, ranks: tuple[int, ...], degree: int, m: int, num_m: int, first: bool, last: bool) -> _StageBound:
+    """:class:`_StageBound` of a stage on ``ranks`` (TP groups of ``degree``, listed replica by replica)."""
+    units = _units(ctx, ranks, degree)
+    layer = _stage_layer_ms(ctx, ranks, degree, m)
+    edge = {u: block_extras(ctx, u[0], m, first, last)[0] for u in units}
+    capacity = sum(n / layer[u] for u, n in units.items())
+    terms = StageTerms(min(layer.values()), min(edge.values()), capacity, -(-num_m // sum(units.values())))
+    tail_ms, tail_latency_ms = ctx.memo(("tail line", ranks, degree), lambda: _tail_line(ctx, ranks, degree))
+    return _StageBound(
+        terms,
+        min(block_extras(ctx, u[0], m, True, True)[0] / layer[u] for u in units),
+        num_m / sum(n / (layer[u] + edge[u]) for u, n in units.items()),
+        min(layer[u] + edge[u] for u in units),
+        ((num_m / capacity + tail_ms, tail_latency_ms), (terms.busiest * terms.layer_ms + tail_ms, terms.busiest * terms.edge_ms + tail_latency_ms)),
+    )
+
+
+def _smallest_output_bytes(ctx: CostContext) -> float:
+    """The smallest layer output of a sample: the least any message between stages or any TP all-reduce moves."""
+    return ctx.memo(("smallest layer output",), lambda: min(b.output_bytes_per_sample for b in ctx.profile.layers))
 
 
 def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, global_batch_size: int) -> float:
@@ -103,9 +121,8 @@ def any_layout_lower_bound_ms(ctx: CostContext, ranks: tuple[int, ...], m: int, 
     the whole model's work spread over all of them at their fastest layer time, then the optimizer step
     spread over them by speed (the terms of :func:`lower_bound_ms` that need no layout). Lets the search
     skip planning a sub-cluster (the fastest type alone) that cannot beat the plan it holds."""
-    count = Counter(_unit(ctx, r, 1) for r in ranks)
-    fastest_layer = {u: ctx.fastest_layer_ms(u[0], m) for u in count}
-    return _whole_model_ms(ctx, count, fastest_layer, m, global_batch_size // m) + update_lower_bound_ms(ctx, list(ranks))
+    num_m = global_batch_size // m
+    return _whole_model_ms(ctx, [_stage_bound(ctx, ranks, 1, m, num_m, True, True)], num_m) + update_lower_bound_ms(ctx, list(ranks))
 
 
 def _units(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> Counter[tuple[str, int]]:
@@ -114,27 +131,15 @@ def _units(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> Counter[tup
     return ctx.memo(("units", ranks, degree), lambda: Counter(_unit(ctx, r, degree) for r in ranks[::degree]))
 
 
-def _split_layer_ms(
-    ctx: CostContext, layout: Layout, degrees: tuple[int, ...], types: list[Counter[tuple[str, int]]], m: int, message_bytes: float,
-) -> dict[tuple[str, int], float]:
-    """Per type and degree, the least time of one microbatch through a layer on one GPU or TP group of the layout
-    (``types``: each stage's :func:`_units`)."""
+def _stage_layer_ms(ctx: CostContext, ranks: tuple[int, ...], degree: int, m: int) -> dict[tuple[str, int], float]:
+    """Per :func:`_unit` of the stage, the least time of one microbatch through a layer on one of its GPUs or TP
+    groups (a stage's layers run on its own groups only)."""
+    if degree == 1:
+        return {u: ctx.fastest_layer_ms(u[0], m) for u in _units(ctx, ranks, degree)}
     out: dict[tuple[str, int], float] = {}
-    for ranks, t, units in zip(layout, degrees, types):
-        if t == 1:
-            out.update({u: ctx.fastest_layer_ms(u[0], m) for u in units})
-            continue
-        for unit, ms in ctx.memo(("split layers", ranks, t, m), lambda: _stage_split_layer_ms(ctx, ranks, t, m, message_bytes)).items():
-            out[unit] = min(out.get(unit, ms), ms)
-    return out
-
-
-def _stage_split_layer_ms(ctx: CostContext, ranks: tuple[int, ...], t: int, m: int, message_bytes: float) -> dict[tuple[str, int], float]:
-    """Per type and degree, the least time of one microbatch through a layer on a TP group of the stage."""
-    out: dict[tuple[str, int], float] = {}
-    for start in range(0, len(ranks), t):
-        group = ranks[start : start + t]
-        unit, ms = ctx.memo(("split layer", group, m), lambda: _group_layer_ms(ctx, group, m, message_bytes))
+    for start in range(0, len(ranks), degree):
+        group = ranks[start : start + degree]
+        unit, ms = ctx.memo(("split layer", group, m), lambda: _group_layer_ms(ctx, group, m, _smallest_output_bytes(ctx) * m))
         out[unit] = min(out.get(unit, ms), ms)
     return out
 
@@ -151,12 +156,10 @@ def _unit(ctx: CostContext, rank: int, degree: int) -> tuple[str, int]:
     return ctx.inventory.gpus[rank].gpu_type.name, degree
 
 
-def _whole_model_ms(ctx: CostContext, count: Counter[tuple[str, int]], fastest_layer: dict, m: int, num_m: int) -> float:
-    """Every microbatch through every layer and the cheapest embedding and head, spread over ``count``'s
-    GPUs and TP groups (of each type and degree) at their fastest layer time: none of them is ever idle."""
-    head_and_embedding = min(block_extras(ctx, u[0], m, True, True)[0] / fastest_layer[u] for u in count)
-    capacity = sum(n / fastest_layer[t] for t, n in count.items())
-    return num_m * (ctx.profile.num_layers + head_and_embedding) / capacity
+def _whole_model_ms(ctx: CostContext, stages: list[_StageBound], num_m: int) -> float:
+    """Every microbatch through every layer and the cheapest embedding and head, spread over the ``stages``'
+    GPUs and TP groups at their fastest layer time: none of them is ever idle."""
+    return num_m * (ctx.profile.num_layers + min(s.head_ratio for s in stages)) / sum(s.terms.capacity for s in stages)
 
 
 def bottleneck_bound_ms(num_layers: int, num_m: int, stages: list[StageTerms]) -> float:
@@ -189,19 +192,15 @@ def bottleneck_bound_ms(num_layers: int, num_m: int, stages: list[StageTerms]) -
     return bound
 
 
-def tail_bound_ms(ctx: CostContext, layout: Layout, degrees: tuple[int, ...], stages: list[StageTerms], num_m: int) -> float:
+def tail_bound_ms(num_layers: int, lines: list[tuple[tuple[float, float], tuple[float, float]]]) -> float:
     """No plan ends before any stage's busiest GPU has done its work, the stage has synchronised its layers and
     that GPU stepped its share of them, whatever the split, the interleaving or the sharding: with ``k`` layers, a
     stage's work is at least :func:`bottleneck_bound_ms`'s two lines in ``k`` and its synchronisation and step
-    at least another (:func:`_tail_line`); the largest of these over the stages is least, over real ``k``
-    summing to the layers, where every stage's is equal. Where the closed form's tail rules (a wide stage's
-    reduction over a slow link), the search no longer drafts the layout to learn that."""
-    lines: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
-    for ranks, degree, (layer_ms, edge_ms, capacity, busiest) in zip(layout, degrees, stages):
-        tail_ms, tail_latency_ms = ctx.memo(("tail line", ranks, degree), lambda: _tail_line(ctx, ranks, degree))
-        lines[0].append((num_m / capacity + tail_ms, tail_latency_ms))
-        lines[1].append((busiest * layer_ms + tail_ms, busiest * edge_ms + tail_latency_ms))
-    return max(_least_largest(ctx.profile.num_layers, stage_lines) for stage_lines in lines)
+    at least another (:func:`_tail_line`), each stage's two ``lines`` (:class:`_StageBound`); the largest of
+    these over the stages is least, over real ``k`` summing to the layers, where every stage's is equal. Where
+    the closed form's tail rules (a wide stage's reduction over a slow link), the search no longer drafts the
+    layout to learn that."""
+    return max(_least_largest(num_layers, [stage[i] for stage in lines]) for i in (0, 1))
 
 
 def _tail_line(ctx: CostContext, ranks: tuple[int, ...], degree: int) -> tuple[float, float]:
