@@ -228,7 +228,7 @@ class _Loop:
         if c.estimate_ms is not None:
             return max(c.bound_ms, c.estimate_ms * (1.0 if c.kind is Kind.GATHERED else floor))
         if c.kind is Kind.SPLIT and c.tensor_parallel:  # by the draft without TP, its fill shortened by the degree
-            key = (tuple(tuple(sorted(ranks)) for ranks in c.layout), c.microbatch_size, ())
+            key = (c.plain_layout, c.microbatch_size, ())
             if not drafting and key not in self.drafts:
                 return c.bound_ms
             plain = self._split_draft(*key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 from zorse_lightning.planner.search.choice import Choice, simulated
 from zorse_lightning.planner.search.space import Candidate
@@ -24,6 +25,7 @@ class SameRanks:
     def __init__(self, candidates: Iterable[Candidate]) -> None:
         self._by_ranks: dict[frozenset, list[Candidate]] = {frozenset(c.layout[0]): [] for c in candidates if c.planned}
         self._taken: dict[int, bool] = {}
+        self._sorted = True
         self._simulations, self._fastest = 0, []
 
     def queued(self, candidate: Candidate) -> None:
@@ -33,6 +35,7 @@ class SameRanks:
             if mine is not None:
                 mine.append(candidate)
                 self._taken[id(candidate)] = False
+                self._sorted = False
 
     def taken(self, candidate: Candidate) -> None:
         """Note ``candidate`` taken by the loop."""
@@ -55,12 +58,22 @@ class SameRanks:
     def least_ms(self, ranks: tuple[int, ...], key: Callable[[Candidate], float], choice: Choice) -> float:
         """The least a plan of the search's own candidates on exactly ``ranks`` may take, as far as the search knows:
         the ``key`` of each not yet taken, and each plan found there (simulated, or its closed form times its kind's
-        floor)."""
+        floor). No key is below its candidate's bound, so the candidates are walked in order of their bounds
+        until one is past the least so far (at 1024 synthetic GPUs the baseline was keyed 112 times against 2,074
+        candidates: 1.9 s)."""
         mine = frozenset(ranks)
-        keys = [key(c) for c in self._by_ranks.get(mine, ()) if not self._taken[id(c)]]
-        keys += [p.predicted.iteration_ms * (1.0 if simulated(p) else choice.floor(p.interleave > 1))
-                 for p in choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and _ranks(p) == mine]
-        return min(keys, default=math.inf)
+        least = min((p.predicted.iteration_ms * (1.0 if simulated(p) else choice.floor(p.interleave > 1))
+                     for p in choice.pool if p.world_size - len(p.idle_ranks) == len(mine) and _ranks(p) == mine), default=math.inf)
+        if not self._sorted:
+            for candidates in self._by_ranks.values():
+                candidates.sort(key=attrgetter("bound_ms"))
+            self._sorted = True
+        for c in self._by_ranks.get(mine, ()):
+            if c.bound_ms >= least:
+                break
+            if not self._taken[id(c)]:
+                least = min(least, key(c))
+        return least
 
 
 def _ranks(plan: Plan) -> frozenset:

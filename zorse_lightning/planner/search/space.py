@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from itertools import permutations
 
 from zorse_lightning import capabilities
@@ -85,6 +86,12 @@ class Candidate:
         if self.kind is Kind.SIMULATED:
             return handicap(self.plan)
         return margin(sum(map(len, self.layout)) < world_size, self.interleave > 1, bool(self.tensor_parallel))
+
+    @cached_property
+    def plain_layout(self) -> Layout:
+        """Its layout without TP, each stage's ranks in order (:meth:`Search.split_over` lists a TP stage's ranks
+        replica by replica): the layout its TP variants' keys are drafted for (:meth:`.loop._Loop._refined`)."""
+        return tuple(tuple(sorted(ranks)) for ranks in self.layout)
 
     @property
     def key(self) -> tuple | None:
