@@ -253,10 +253,16 @@ class ClusterInventory:
         return self.latencies.inter_machine_us
 
     def _machine_link(self, a: str, b: str) -> MachineLink | None:
+        return self._machine_link_by_pair.get(frozenset((a, b)))
+
+    @cached_property
+    def _machine_link_by_pair(self) -> dict[frozenset[str], MachineLink]:
+        """Each per-pair override by its two machines, the first listed where several name a pair (the planner
+        asks for links hundreds of thousands of times on a large cluster)."""
+        links: dict[frozenset[str], MachineLink] = {}
         for link in self.machine_links:
-            if {link.machine_a, link.machine_b} == {a, b}:
-                return link
-        return None
+            links.setdefault(frozenset((link.machine_a, link.machine_b)), link)
+        return links
 
     def _datacenter_link(self, a: str, b: str) -> DatacenterLink:
         for link in self.datacenter_links:
@@ -264,7 +270,7 @@ class ClusterInventory:
                 return link
         raise InventoryError(f"no link between datacenters {a!r} and {b!r}")  # excluded by __post_init__
 
-    @property
+    @cached_property
     def gpu_types(self) -> tuple[GpuType, ...]:
         """Distinct GPU types, in order of first appearance."""
         return tuple({g.gpu_type.name: g.gpu_type for g in self.gpus}.values())
