@@ -117,9 +117,8 @@ def _boundary_cost(ctx: CostContext, sender: StagePlan, receiver: StagePlan, mes
     for pairs, count in _replica_routes(sender, receiver):
         sharing: dict = {}  # per link: this microbatch's activations on it, one after the other
         for a, b in pairs:
-            key, back_key = ctx.links.link(a, b, header=True)[0], ctx.links.link(b, a, header=False)[0]
-            forward = link_transfer_ms(ctx, a, b, message_bytes, True, one_ms)
-            back = link_transfer_ms(ctx, b, a, message_bytes, False, one_ms)
+            key, forward = _link_transfer_ms(ctx.links.link(a, b, header=True), message_bytes, True, one_ms)
+            back_key, back = _link_transfer_ms(ctx.links.link(b, a, header=False), message_bytes, False, one_ms)
             route_list.append((a, b, count))
             route_ms.append((forward, back))
             messages[key] = messages.get(key, 0) + count
@@ -145,15 +144,13 @@ def shared_link_ms(boundaries: Iterable[BoundaryCost]) -> dict[tuple, float]:
     return total
 
 
-def link_transfer_ms(
-    ctx: CostContext, src: int, dst: int, message_bytes: float, activation: bool, by_link: dict
-) -> float:
-    """One message from ``src`` to ``dst`` (an ``activation``, with its host header, or a gradient), priced
-    once per link and kind in ``by_link`` (many routes share one)."""
-    key, bandwidth_gbps, latency_us = ctx.links.link(src, dst, header=activation)
+def _link_transfer_ms(link: tuple[tuple, float, float], message_bytes: float, activation: bool, by_link: dict) -> tuple[tuple, float]:
+    """``link``'s key (:meth:`~.comm.LinkTable.link`) and one message over it (an ``activation``, with its host
+    header, or a gradient), priced once per link and kind in ``by_link`` (many routes share one)."""
+    key, bandwidth_gbps, latency_us = link
     if (key, activation) not in by_link:
         by_link[(key, activation)] = transfer_ms(message_bytes, bandwidth_gbps, latency_us)
-    return by_link[(key, activation)]
+    return key, by_link[(key, activation)]
 
 
 def receive_ms_per_microbatch(plan: Plan, boundaries: tuple[BoundaryCost, ...], rules: P2PRules) -> list[list[float]]:
