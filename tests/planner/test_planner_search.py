@@ -180,6 +180,24 @@ def test_infeasible_with_pins_mentions_the_pins() -> None:
         make_plan(inventory, profile, 4096, PlannerOptions(microbatch_size=4096, schedule="gpipe"))
 
 
+def test_infeasible_names_offload_only_where_it_is_off_and_activations_overflow() -> None:
+    """Offload keeps activations in host memory: the error suggests allowing it where it was turned off and
+    the training state alone fits, never where the state alone is over (offload could not help)."""
+    inventory = load_cluster("cpu_sim2")
+    pins = {"microbatch_size": 4096, "schedule": "gpipe"}
+    messages = []
+    for options in (PlannerOptions(**pins), PlannerOptions(**pins, allow_offload=False)):
+        with pytest.raises(PlanningError) as caught:
+            make_plan(inventory, profile_for(inventory), 4096, options)
+        messages.append(str(caught.value))
+    assert "allow_offload" not in messages[0] and "allow_offload=False rules out" in messages[1]
+    big = load_cluster("a10g_l4_t4")
+    huge = synthetic_profile(tuple(t.name for t in big.gpu_types), num_layers=48, hidden=8192)
+    with pytest.raises(PlanningError) as caught:
+        make_plan(big, huge, GLOBAL_BATCH, PlannerOptions(allow_offload=False))
+    assert "allow_offload" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

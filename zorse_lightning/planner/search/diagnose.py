@@ -54,7 +54,8 @@ def infeasible_error(ctx: CostContext, layouts: list[Layout], sizes: list[int], 
     microbatch), and its worst GPU says by how much it misses."""
     layout = max(layouts, key=lambda l: (sum(map(len, l)), len(l)))  # every GPU, most stages
     m = min(sizes)
-    frugal = [(f"{len(layout)} pipeline stages with {SEARCH_SHARDING.value} sharding", frugal_plan(
+    stages = f"{len(layout)} pipeline stages" if len(layout) > 1 else "one stage"
+    frugal = [(f"{stages} with {SEARCH_SHARDING.value} sharding", frugal_plan(
         ctx, layout, m, schedule, global_batch_size, options.layer_counts))]
     whole = [l for l in layouts if len(l) == 1 and len(l[0]) > 1]
     if whole:
@@ -73,6 +74,8 @@ def infeasible_error(ctx: CostContext, layouts: list[Layout], sizes: list[int], 
             f"solver_time_limit_s={options.solver_time_limit_s}; raise the limit.{pinned}"
         )
     state_gib = bytes_to_gib(used.state_bytes + used.sharded_bytes)
+    if not options.allow_offload and state_gib < gpu.memory_gib:  # activations are what overflows
+        pinned += " allow_offload=False rules out keeping activations in host memory: allowing it may help."
     return PlanningError(
         f"no plan of {ctx.profile.model!r} fits in the memory of cluster {ctx.inventory.name!r}: even with "
         f"{description}, microbatch size {m} and recomputation on, "
