@@ -51,6 +51,14 @@ def test_plan_app_infeasible_is_one_message_and_exit_2(run_app, tmp_path: Path):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_plan_app_refuses_a_batch_that_is_no_positive_integer(run_app, tmp_path: Path):
+    from zorse_lightning.apps.plan_app import main
+
+    for batch in ("abc", "2.5", "true"):
+        code, _, err = run_app(main, "cluster=cpu_sim2", "model=llama_tiny", f"global_batch_size={batch}", f"hydra.run.dir={tmp_path}")
+        assert code == 2 and "must be a positive integer" in err and "Traceback" not in err, (batch, err)
+
+
 def test_plan_app_unknown_model_lists_known_names(run_app, tmp_path: Path):
     from zorse_lightning.apps.plan_app import main
 

@@ -34,7 +34,8 @@ def _run(cfg: DictConfig) -> None:
     profiled = profile_from_config(cfg.model, inventory, options, cfg.get("data"))
     profile = profiled.profile
     options, size_note = within_profiled_sizes(options, profiled.sizes, profiled.why_not)
-    plan = make_plan(inventory, profile, int(cfg.global_batch_size), options)
+    batch = cfg.global_batch_size  # as given: the planner refuses what is not a positive integer, with the fix
+    plan = make_plan(inventory, profile, batch, options)
     notes = ([size_note] if size_note else []) + list(
         unsaid(profiled.tensor_parallel_note, profile.tensor_parallel.reason, plan.notes)
     )
@@ -42,7 +43,7 @@ def _run(cfg: DictConfig) -> None:
         plan = replace(plan, notes=(*plan.notes, *notes))
     warn_if_mixed_sources(profile, {t for stage in plan.stages for t in stage.gpu_types})
     ctx = CostContext.build(inventory, profile, options.memory_reserve_gib, options.p2p_rules)
-    baselines = all_baselines(inventory, profile, int(cfg.global_batch_size), options)
+    baselines = all_baselines(inventory, profile, batch, options)
     print_plan(plan, ctx, baselines)
     out = Path(HydraConfig.get().runtime.output_dir)
     plan.save(out / "plan.json")

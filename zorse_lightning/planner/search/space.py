@@ -263,7 +263,7 @@ def other_orders(search: Search, chosen: Plan) -> Iterator[Candidate]:
 
 
 def _check_inputs(inventory: ClusterInventory, profile: ModelProfile, global_batch_size: int, options: PlannerOptions) -> None:
-    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
+    if not (isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1):
         raise PlanningError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per iteration)")
     missing = [t.name for t in inventory.gpu_types if t.name not in profile.devices]
     if missing:
