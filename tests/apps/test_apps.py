@@ -115,3 +115,12 @@ def test_the_plan_app_times_the_optimizer_configure_optimizers_returns():
     made = configured_optimizer(module)([torch.nn.Parameter(torch.zeros(2))])
     assert type(made) is torch.optim.SGD and made.param_groups[0]["momentum"] == 0.5
     assert configured_optimizer(SimpleNamespace(configure_optimizers=lambda: None)) is None
+
+
+def test_train_app_refuses_an_unknown_recipe_naming_the_known_ones(run_app, tmp_path: Path):
+    """A misspelt recipe is an error listing the recipes, never a silent run of the defaults."""
+    from zorse_lightning.apps.train_app import main
+
+    code, out, err = run_app(main, "recipe=gpt_tiny_cpu_sim", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "gpt_tiny_cpu_sim4" in out + err
+    assert not (tmp_path / "plan.json").exists()
