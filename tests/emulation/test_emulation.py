@@ -31,6 +31,7 @@ from zorse_lightning.emulation.callback import EmulateCluster
 from zorse_lightning.strategy.registration import register_with_lightning
 from zorse_lightning.units import BYTES_PER_GIB
 from testing.launch import start_method
+from testing.stateful import RecurrentLayer
 
 FLOAT_BYTES = 4
 ONE_T4 = {
@@ -91,6 +92,43 @@ def test_instrumented_module_takes_slowdown_times_calibrated_cost_and_keeps_the_
     # benchmarks through `overruns`, not asserted here.)
     assert emulator.emulated_compute_s == pytest.approx(steps * per_step, rel=0.01)
     assert min(walls) >= per_step  # deadlines are absolute: a step cannot be faster than emulated
+
+
+def test_calibration_starts_each_run_from_a_layers_own_state_and_leaves_it_as_it_was() -> None:
+    """Without :func:`own_state_kept` the second calibration run adds the first's state, whose graph that
+    run's gradient freed: "backward through the graph a second time"; and the real call would start from
+    the calibration's state instead of its own."""
+    torch.manual_seed(0)
+    module, reference = RecurrentLayer(), RecurrentLayer()
+    reference.load_state_dict(module.state_dict())
+    emulator = ComputeEmulator(EmulationSpec("t4", 2.0, 1 << 30))
+    emulator.instrument([module])
+    for step in range(2):
+        start = torch.zeros(1, 8) if step else None  # a model's reset, then a state set before the call
+        module.state, reference.state = start, start
+        x = torch.randn(4, 8)
+        module(x).sum().backward()
+        reference(x).sum().backward()
+        assert torch.equal(module.state, reference.state)
+    for p, p_ref in zip(module.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, p_ref.grad)
+
+
+def test_a_model_may_modify_an_emulated_modules_output_or_its_input_in_place() -> None:
+    """As CTRL scales its embedding's output in place (``inputs_embeds *= sqrt(d)``): autograd forbids that
+    on a view made inside a custom Function, which the markers' outputs were."""
+    torch.manual_seed(0)
+    embedding, block = nn.Embedding(16, 8), nn.Linear(8, 8)
+    reference = copy.deepcopy(nn.ModuleList([embedding, block]))
+    emulator = ComputeEmulator(EmulationSpec("t4", 2.0, 1 << 30))
+    emulator.instrument([embedding, block], names=["embedding", "block"])
+    tokens = torch.randint(0, 16, (4, 3))
+    for modules in ([embedding, block], list(reference)):
+        hidden = modules[0](tokens)
+        hidden *= 2.0
+        modules[1](hidden).square().sum().backward()
+    for p, p_ref in zip([*embedding.parameters(), *block.parameters()], reference.parameters()):
+        assert torch.equal(p.grad, p_ref.grad)
 
 
 def test_costs_are_per_sample_and_shared_by_batch_sizes() -> None:

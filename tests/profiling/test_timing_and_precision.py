@@ -11,6 +11,7 @@ from zorse_lightning.errors import PlanningError
 from zorse_lightning.profiling import timing
 from zorse_lightning.profiling.measure import MeasureOptions, measure_block_calls
 from zorse_lightning.startup.device_profile import training_dtypes
+from testing.stateful import RecurrentLayer
 
 
 class _Clock:
@@ -87,6 +88,17 @@ def test_a_profile_under_bf16_autocast_records_bf16_and_differs_from_the_fp32_on
     assert plain.layers[0].activation_bytes_per_microbatch == 0
     assert mixed.layers[0].activation_bytes_per_sample != plain.layers[0].activation_bytes_per_sample
     assert mixed.times.layers[0].forward.measured_sizes == (1, 2, 4)
+
+
+def test_profiling_runs_a_layer_from_its_own_state_and_leaves_it_as_it_was():
+    """Each timed run starts from the state the layer holds, not the last run's (whose graph that run's
+    backward freed), and the real call after profiling finds its own."""
+    torch.manual_seed(0)
+    block, held = RecurrentLayer(64), torch.zeros(1, 8, 64)
+    block.state = held
+    calls = {b: ((torch.randn(b, 8, 64),), {}) for b in (1, 2)}
+    measure_block_calls(block, calls, device=torch.device("cpu"), gpu_type="cpu", options=MeasureOptions(warmup=1, repeats=2))
+    assert block.state is held
 
 
 def test_sizes_stop_at_the_first_that_does_not_fit():

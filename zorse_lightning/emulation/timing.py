@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zorse_lightning.module.call_inputs import flatten_tensors, fresh_side_state, replace_tensors
+from zorse_lightning.module.call_inputs import flatten_tensors, fresh_side_state, own_state_kept, replace_tensors
 
 CALIBRATION_REPEATS = 3
 """Timed runs per calibration after one warm-up; the minimum is kept (least disturbed by other ranks)."""
@@ -83,12 +83,16 @@ def sleep_until(deadline: float) -> float:
 
 
 class _IdentityMarker(torch.autograd.Function):
-    """Identity on tensors, carrying a :class:`BackwardWindow` to its backward (subclasses say what it marks)."""
+    """Identity on tensors, carrying a :class:`BackwardWindow` to its backward (subclasses say what it marks).
+
+    Each output shares its input's storage and version counter but is no autograd view of it: a model may
+    modify a module's output (or a block its input) in place, as CTRL scales its embeddings
+    (``inputs_embeds *= sqrt(d)``), which autograd forbids on a view made inside a custom Function."""
 
     @staticmethod
     def forward(ctx: Any, window: BackwardWindow, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.window = window
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.detach() for t in tensors)
 
 
 class BackwardStartMarker(_IdentityMarker):
@@ -143,7 +147,8 @@ def calibrate_call(module: nn.Module, args: tuple, kwargs: dict, samples: int | 
     fixed size (others, such as masks shared by the batch, are kept); where the
     resized call fails, the call as it came is timed and divided by its samples. Runs on detached copies of the inputs
     (a stateful one, such as a key/value cache a layer appends to, copied afresh for every run, so the real
-    call's never changes and no run reaches another's graph), takes gradients with
+    call's never changes and no run reaches another's graph; the layers' own tensor attributes alike:
+    :func:`~..module.call_inputs.own_state_kept`), takes gradients with
     ``torch.autograd.grad`` (nothing accumulates into ``.grad``), restores the
     RNG state (dropout masks of the real call are unchanged) and the buffers
     (batch-norm statistics), and works even when called under ``no_grad`` or
@@ -179,7 +184,8 @@ def _timed_runs(module: nn.Module, args: tuple, kwargs: dict, samples: int | Non
     for _ in range(CALIBRATION_REPEATS + 1):
         call_args, call_kwargs = fresh_side_state(inputs)
         start = time.perf_counter()
-        outputs = [t for t in flatten_tensors(module.forward(*call_args, **call_kwargs)) if t.requires_grad]
+        with own_state_kept(module):
+            outputs = [t for t in flatten_tensors(module.forward(*call_args, **call_kwargs)) if t.requires_grad]
         _synchronize(outputs)
         middle = time.perf_counter()
         if outputs and leaves:

@@ -5,13 +5,15 @@ such as a key/value cache that the call appends to. Profiling and calibration
 run a block several times on a captured call; each run must start from the
 captured state, or runs would see each other's keys (and reach each other's
 freed autograd graphs: "backward through the graph a second time"), and the real
-call's cache would grow by the profiler's runs.
+call's cache would grow by the profiler's runs. The same holds for state a block's own layers keep as
+plain tensor attributes (:func:`own_state_kept`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,3 +95,23 @@ def fresh_side_state(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
         return _fresh_object(value)
 
     return _map_leaves(call, fresh)
+
+
+@contextmanager
+def own_state_kept(module: nn.Module) -> Iterator[None]:
+    """One run of a captured call of ``module`` from the state its layers hold now, leaving them holding it.
+
+    A layer may keep tensors as plain attributes and replace them in its forward (RecurrentGemma's recurrent
+    and convolution states, which its model resets before the layers): a second run would start from the
+    first's graph, freed by then, and the real call would start from the runs' state. During the run each
+    tensor attribute is a detached copy; after it, every attribute of every layer is the one it held before.
+    Parameters, buffers and submodules live in dicts that stay the same objects."""
+    held = [(layer, dict(vars(layer))) for layer in module.modules()]
+    for layer, attributes in held:
+        vars(layer).update((name, value.detach().clone()) for name, value in attributes.items() if isinstance(value, torch.Tensor))
+    try:
+        yield
+    finally:
+        for layer, attributes in held:
+            vars(layer).clear()
+            vars(layer).update(attributes)

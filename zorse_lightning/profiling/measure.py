@@ -105,11 +105,12 @@ Call = tuple[tuple, dict]
 
 
 def _call(module: Any, call: Call, x: torch.Tensor) -> Any:
-    """``module`` on ``call`` with ``x`` as the activation; state objects of the call copied afresh."""
-    from zorse_lightning.module.call_inputs import fresh_side_state  # imports torch: kept out of module import
+    """``module`` on ``call`` with ``x`` as the activation; state objects of the call and of its layers afresh."""
+    from zorse_lightning.module.call_inputs import fresh_side_state, own_state_kept  # imports torch: kept out of module import
 
     args, kwargs = fresh_side_state(call)
-    return module(x, *args[1:], **kwargs)
+    with own_state_kept(module):
+        return module(x, *args[1:], **kwargs)
 
 
 def _time_one(
