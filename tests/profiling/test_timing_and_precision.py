@@ -101,6 +101,24 @@ def test_profiling_runs_a_layer_from_its_own_state_and_leaves_it_as_it_was():
     assert block.state is held
 
 
+class _ViewsItsWeight(nn.Module):
+    """Passes a view of its weight to a submodule, as Mamba passes its convolution's to the kernel's fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.inner = nn.Parameter(torch.randn(64, 64)), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.inner(self.weight.view(64, 64))
+
+
+def test_a_block_passing_a_view_of_its_weight_to_a_submodule_is_profiled_with_its_flops():
+    calls = {b: ((torch.randn(b, 8, 64),), {}) for b in (1, 2)}
+    measured = measure_block_calls(_ViewsItsWeight(), calls, device=torch.device("cpu"), gpu_type="cpu",
+                                   options=MeasureOptions(warmup=1, repeats=1))
+    assert measured.layers[0].forward_flops_per_sample == 2 * 8 * 64 * 64
+
+
 def test_sizes_stop_at_the_first_that_does_not_fit():
     block, calls = _block_and_calls()
     original = block.forward

@@ -162,13 +162,15 @@ def _saved_bytes(module: Any, call: Call, forward_context: ForwardContext) -> in
 
 
 def _flops(module: Any, call: Call, forward_context: ForwardContext) -> float:
+    """The forward's FLOPs, counted with gradients on as training runs it: under ``no_grad`` the counter's
+    module tracker fails on a view of a parameter passed to a submodule (Mamba's convolution weight)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     import torch
 
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad(), forward_context():
-        _call(module, call, call[0][0])
+    with counter, torch.enable_grad(), forward_context():
+        _call(module, call, call[0][0].detach())
     return float(counter.get_total_flops())
 
 
