@@ -9,7 +9,7 @@ from testing.plans import hand_plan
 from torch import nn
 
 from zorse_lightning.module.blocks import CutError, find_block_list
-from zorse_lightning.engine.cutting import holder_stages
+from zorse_lightning.engine.cutting import StageCut, holder_stages
 from zorse_lightning.module.cut_analysis import probe_cut
 from zorse_lightning.models.gpt import GPT
 
@@ -54,6 +54,55 @@ def test_gpt_block_list_and_regions():
     assert holders[id(model.pos_emb.weight)] == {0}
     assert holders[id(model.ln_f.weight)] == {2}
     assert holders[id(model.blocks[2].mlp[0].weight)] == {1}
+
+
+class _TableBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * table.cos()
+
+
+class _SideTable(nn.Module):
+    """A token embedding, and blocks that each receive the rows of a position table besides the chain, as
+    RoFormer's layers receive its frozen sinusoidal table (an embedding whose weight is not trained)."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(16, 4)
+        self.pos = nn.Embedding(6, 4)
+        self.pos.weight.requires_grad_(not frozen)
+        self.blocks = nn.ModuleList(_TableBlock() for _ in range(3))
+        self.head = nn.Linear(4, 16)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        table, h = self.pos(torch.arange(tokens.shape[1]))[None], self.tok(tokens)
+        for block in self.blocks:
+            h = block(h, table)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def test_a_frozen_module_feeding_the_blocks_side_inputs_runs_on_every_stage():
+    """Given zeros on later stages like an embedding, the table made those stages compute on zeros (RoFormer
+    trained 3e-6 off one process); trained, such a table would have to cross the cut and is refused."""
+    tokens = torch.randint(0, 16, (2, 6))
+    model = _SideTable(frozen=True)
+    blocks = find_block_list(model)
+    analysis = probe_cut(model, blocks, lambda: model.loss(tokens))
+    assert analysis.problem is None and analysis.side_modules == ("pos",)
+    assert not model.pos.weight.requires_grad  # frozen again after the probe
+    plan = hand_plan([((0,), (1,), (0, 1)), ((1,), (1,), (1, 3))])
+    holders = holder_stages(model, blocks, analysis, plan)
+    assert holders[id(model.pos.weight)] == {0, 1} and holders[id(model.tok.weight)] == {0}
+    table = model.pos(torch.arange(6))
+    StageCut(model, blocks, analysis, plan, 1).apply()
+    assert torch.equal(model.pos(torch.arange(6)), table)
+    assert model.tok.weight.is_meta and not torch.count_nonzero(model.tok(tokens))  # the embedding's stand-in
+    trained = _SideTable(frozen=False)
+    problem = probe_cut(trained, find_block_list(trained), lambda: trained.loss(tokens)).problem
+    assert "receives, besides the chain, a value computed from the embeddings" in problem
 
 
 def test_encoder_decoder_is_not_cuttable():

@@ -14,7 +14,8 @@ The user's own step runs on every rank; what changes is the blocks' ``forward``:
 
 Weights are placed by where they run (:class:`CutAnalysis`): modules before the
 chain (embeddings) on the first stage, after it (norm, head) on the last, blocks
-on their stage; a weight used on both sides (tied input/output embedding) is
+on their stage, frozen modules whose outputs the blocks receive besides the chain
+(a sinusoidal table) on every stage; a weight used on both sides (tied input/output embedding) is
 held by both stages and its gradient summed between them. Everything else this
 rank does not hold moves to the meta device (no memory), and modules before the
 chain with weights give zeros of their output's shape on later stages (no weights,
@@ -78,7 +79,7 @@ def holder_stages(root: nn.Module, blocks: BlockList, analysis: CutAnalysis, pla
         inside_blocks |= {id(m) for m in block.modules()}
         for param in block.parameters():
             holders.setdefault(id(param), set()).add(group_of_block[block_index])
-    region = {name: {0} for name in analysis.pre_modules}
+    region = {name: {0} for name in analysis.pre_modules if name not in analysis.side_modules}
     for name in analysis.post_modules:
         region.setdefault(name, set()).add(last)
     for name, module in root.named_modules():
@@ -184,7 +185,7 @@ class StageCut:
                 self.blocks.blocks[start].register_forward_pre_hook(self._swap_in_received(start), prepend=True)
         for name in self.analysis.pre_modules:
             module = self.root.get_submodule(name)
-            if module._parameters:  # weights only the first stage uses; buffer-only modules run for real
+            if module._parameters and name not in self.analysis.side_modules:  # weights only the first stage uses
                 module.forward = self._stand_in_forward(module, module.forward)
 
     def _free_outside_buffers(self) -> None:
