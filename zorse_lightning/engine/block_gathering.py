@@ -78,7 +78,8 @@ class BlockGathering:
             self._handles.append(block.register_forward_pre_hook(self._before_forward(k)))
             self._handles.append(block.register_forward_hook(self._after_forward(k)))
             for param in units[k]:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._late_gradient(k)))
+                if param.requires_grad:  # a frozen weight is gathered, but has no gradient
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._late_gradient(k)))
         free(self._others(range(len(units))))
 
     @property

@@ -123,8 +123,8 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device
 
 
 class OverlappedReduction:
-    """Sums each local parameter's gradient over the ranks of the stages holding it, in place; the
-    stage-group part may start before :meth:`finish`.
+    """Sums each local parameter's gradient over the ranks of the stages holding it, in place (a frozen one has
+    none: left out); the stage-group part may start before :meth:`finish`.
 
     Gradients only the rank's own stage holds are views into a flat buffer cut into buckets of about
     :data:`BUCKET_BYTES`, last parameters first (the order backward produces them); a stage of one rank
@@ -146,7 +146,7 @@ class OverlappedReduction:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be positive (default {BUCKET_BYTES})")
         self.groups = groups
-        by_holders = _by_holders(params)
+        by_holders = _by_holders([(p, holders) for p, holders in params if p.requires_grad])  # frozen: no gradient
         own = frozenset({groups.stage_index})
         self.shared = [(holders, by_holders[holders]) for holders in _sorted_sets(by_holders) if holders != own]
         alone = groups.is_idle or len(groups.data_ranks) == 1

@@ -195,9 +195,10 @@ class StageShards:
         """Sum each parameter's gradient over the stage into its owner's ``.grad``; the others drop theirs.
 
         A rank that computed no gradient for a parameter (no microbatch, or an
-        empty round) adds zeros.
+        empty round) adds zeros. A frozen parameter has none to sum: its ``.grad``
+        stays None on every rank (zeros would let an optimizer's weight decay move it).
         """
-        for owner, owned in self._by_owner(params):
+        for owner, owned in self._by_owner(p for p in params if p.requires_grad):
             flat = torch.cat([self._gradient_or_zeros(p).reshape(-1) for p in owned])
             dist.reduce(flat, dst=owner, group=self.groups.call(self.groups.data_group, "the sharded gradients' reduction"))
             offset = 0
