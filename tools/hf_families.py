@@ -1,6 +1,6 @@
 """Which Hugging Face decoder families train unchanged on a pipeline, against one process.
 
-    .venv/bin/python tools/hf_families.py                        # every family below, microbatch 1 (about 15 min)
+    .venv/bin/python tools/hf_families.py                        # every family below, microbatch 1 (about 12 min)
     .venv/bin/python tools/hf_families.py llama bloom --microbatch 2 --planned
     PYTHONPATH=/path/to/transformers4 .venv/bin/python tools/hf_families.py   # another transformers
 
@@ -55,12 +55,21 @@ CONFIGS = {
     "qwen2_moe": dict(COMMON, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16),
     "qwen3_moe": dict(COMMON, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16),
     "falcon_h1": dict(COMMON, mamba_chunk_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32),
+    "openai-gpt": dict(COMMON, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "trocr": dict(COMMON, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+    # encoders as causal language models (each family's *ForCausalLM); RoFormer's layers receive a frozen table
+    **{family: dict(COMMON, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) for family in (
+        "bert", "electra", "ernie", "megatron-bert", "bert-generation", "big_bird", "rembert", "roformer",
+    )},
     **{family: COMMON for family in (
         "llama", "mistral", "qwen2", "qwen3", "olmo", "starcoder2", "granite", "stablelm", "cohere", "cohere2", "olmo2",
         "olmo3", "mpt", "nemotron", "exaone4", "ernie4_5", "arcee", "gpt_oss", "apertus", "jetmoe", "persimmon",
         "gemma3_text", "llama4_text", "lfm2", "granitemoe", "olmoe", "minimax", "bitnet", "doge", "mamba",
         "recurrent_gemma",  # keeps its recurrent state as attributes of its layers
+        "vaultgemma",
     )},
+    "nemotron_h": dict(COMMON, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=1, chunk_size=8,
+                       n_routed_experts=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16),
 }
 
 
