@@ -208,11 +208,10 @@ class PipelineEngine(StagePreparation):
         """Outside autocast, as Lightning's backward is; the step's autocast region stays open around it, so
         its cache of low-precision weights lives for the whole step (nested, it is not cleared here)."""
         receives, sends = messages_of(self.plan, self.groups.rank, action)
+        gradient = self.transport.take(receives[0]) if receives else None
         with torch.autocast(self.device.type, enabled=False):
-            if receives:
-                torch.autograd.backward(output, self.transport.take(receives[0]))
-            else:
-                torch.autograd.backward(output)
+            if output.requires_grad:  # else every weight before it is frozen (a first stage fine-tuning leaves alone)
+                torch.autograd.backward(output, gradient)
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
         for message in sends:
