@@ -210,7 +210,7 @@ class PipelineEngine(StagePreparation):
         receives, sends = messages_of(self.plan, self.groups.rank, action)
         gradient = self.transport.take(receives[0]) if receives else None
         with torch.autocast(self.device.type, enabled=False):
-            if output.requires_grad:  # else every weight before it is frozen (a first stage fine-tuning leaves alone)
+            if output.requires_grad:  # else no weight up to here trains (a first stage fine-tuning leaves frozen)
                 torch.autograd.backward(output, gradient)
         if self.sharded is not None and self.sharded.gathering is not None:
             self.sharded.gathering.finish_backward()
